@@ -1,0 +1,26 @@
+"""kvq: 4-bit KV-cache codecs for looped language models, in JAX.
+
+    packed = kvq_jax.pack_kv(values, kind="key", format="int4")
+    values_hat = kvq_jax.unpack_kv(packed)
+
+`kvq_jax.oracle` is the plain-Python scalar reference that every implementation is tested
+against; it does not import JAX.
+"""
+
+from kvq_jax.api import pack_kv, unpack_kv
+from kvq_jax.codec import DEFAULT_AXIS, KINDS, Codec
+from kvq_jax.packed import PackedKV
+from kvq_jax.registry import CODECS, get_codec, register_codec
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_AXIS",
+    "KINDS",
+    "Codec",
+    "PackedKV",
+    "get_codec",
+    "pack_kv",
+    "register_codec",
+    "unpack_kv",
+]
+__version__ = "0.1.0"

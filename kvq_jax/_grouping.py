@@ -1,0 +1,87 @@
+"""Group layout: which elements of a [T, H, D] tensor share one set of quantization metadata.
+
+axis "tokens":   a group is G consecutive token rows of one (head, channel);
+                 metadata shape [ceil(T/G), H, D]; grouped view [nG, G, H, D].
+axis "channels": a group is G consecutive channels of one (token, head);
+                 metadata shape [T, H, ceil(D/G)]; grouped view [T, H, nG, G].
+
+The last group may be partial. `split` pads it with a caller-chosen fill value (an identity of
+the reduction, so padding never enters a statistic) and `merge` crops the padding away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+AXES = ("tokens", "channels")
+
+
+def num_groups(length: int, group_size: int) -> int:
+    """ceil(length / group_size)."""
+    return -(-length // group_size)
+
+
+def metadata_shape(shape: tuple[int, int, int], axis: str, group_size: int) -> tuple[int, ...]:
+    """Shape of one metadata array (one entry per group) for values of `shape`."""
+    t, h, d = shape
+    if axis == "tokens":
+        return (num_groups(t, group_size), h, d)
+    return (t, h, num_groups(d, group_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """Static description of the groups of a [T, H, D] tensor."""
+
+    shape: tuple[int, int, int]
+    axis: str
+    group_size: int
+
+    @property
+    def metadata_shape(self) -> tuple[int, ...]:
+        return metadata_shape(self.shape, self.axis, self.group_size)
+
+    @property
+    def _padding(self) -> int:
+        length = self.shape[0] if self.axis == "tokens" else self.shape[2]
+        return num_groups(length, self.group_size) * self.group_size - length
+
+    @property
+    def member_axis(self) -> int:
+        """Axis of the grouped view that runs over the members of one group."""
+        return 1 if self.axis == "tokens" else 3
+
+    def split(self, x: jnp.ndarray, fill) -> jnp.ndarray:
+        """[T, H, D] -> grouped view; the missing members of a partial group hold `fill`."""
+        t, h, d = self.shape
+        g = self.group_size
+        pad = self._padding
+        if self.axis == "tokens":
+            if pad:
+                x = jnp.pad(x, [(0, pad), (0, 0), (0, 0)], constant_values=fill)
+            return x.reshape(-1, g, h, d)
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)], constant_values=fill)
+        return x.reshape(t, h, -1, g)
+
+    def merge(self, xg: jnp.ndarray) -> jnp.ndarray:
+        """Grouped view -> [T, H, D], dropping the padding of a partial last group."""
+        t, h, d = self.shape
+        if self.axis == "tokens":
+            return xg.reshape(-1, h, d)[:t]
+        return xg.reshape(t, h, -1)[..., :d]
+
+    def expand(self, meta: jnp.ndarray) -> jnp.ndarray:
+        """Metadata [metadata_shape] -> broadcastable against the grouped view."""
+        return jnp.expand_dims(meta, self.member_axis)
+
+    def reduce(self, reducer, x: jnp.ndarray, fill) -> jnp.ndarray:
+        """Apply `reducer(array, axis=...)` over each group of `x`, padding with `fill`."""
+        return reducer(self.split(x, fill), axis=self.member_axis)
+
+    def valid_members(self) -> np.ndarray:
+        """Static boolean mask over the grouped view: True where a real element sits."""
+        return np.asarray(self.split(np.ones(self.shape, bool), False))

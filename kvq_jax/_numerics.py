@@ -1,0 +1,66 @@
+"""Element-wise float32 helpers shared by every JAX implementation (XLA path and kernels).
+
+All functions take and return float32 arrays unless stated otherwise. They implement the
+arithmetic model of docs/FORMAT.md section 0: IEEE binary32, round to nearest even, and
+flush-to-zero of subnormal inputs and results.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+#: Smallest positive normal float32, 2**-126. Anything smaller in magnitude is flushed.
+F32_MIN_NORMAL = np.float32(np.finfo(np.float32).tiny)
+#: Largest finite float32.
+F32_MAX = np.float32(np.finfo(np.float32).max)
+#: Largest finite float8_e4m3fn value.
+E4M3_MAX = np.float32(448.0)
+#: Largest E2M1 magnitude.
+E2M1_MAX = np.float32(6.0)
+
+# E2M1 magnitudes indexed by the 3-bit code, and the same with the sign bit (code | 8).
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+E2M1_VALUES = np.concatenate([E2M1_MAGNITUDES, -E2M1_MAGNITUDES]).astype(np.float32)
+
+# Midpoints between consecutive E2M1 magnitudes, and whether an exact tie rounds up (to the
+# even code above) or down (to the even code below).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                   (3.5, True), (5.0, False))
+
+
+def flush_subnormal(x: jnp.ndarray) -> jnp.ndarray:
+    """Replace float32 subnormals by a zero of the same sign (FTZ/DAZ, on every device)."""
+    return jnp.where(jnp.abs(x) < F32_MIN_NORMAL, jnp.copysign(jnp.float32(0.0), x), x)
+
+
+def widen(values: jnp.ndarray) -> jnp.ndarray:
+    """bf16/fp16/fp32 -> float32 (exact), then flush subnormal inputs."""
+    return flush_subnormal(values.astype(jnp.float32))
+
+
+def round_half_even(x: jnp.ndarray) -> jnp.ndarray:
+    """Round float32 to the nearest integer, ties to even (float32 result)."""
+    return jnp.round(x)
+
+
+def e2m1_magnitude_code(magnitude: jnp.ndarray) -> jnp.ndarray:
+    """|y| in [0, 6] -> 3-bit E2M1 code (uint8), nearest value, ties to the even code.
+
+    Arithmetic (comparisons against the midpoints), so it lowers on every backend. NaN gives 0.
+    """
+    code = jnp.zeros(magnitude.shape, jnp.uint8)
+    for midpoint, tie_rounds_up in _E2M1_MIDPOINTS:
+        above = magnitude >= midpoint if tie_rounds_up else magnitude > midpoint
+        code = code + above.astype(jnp.uint8)
+    return code
+
+
+def e2m1_encode(y: jnp.ndarray, negative: jnp.ndarray) -> jnp.ndarray:
+    """float32 y (already clamped to [-6, 6]) and its sign -> 4-bit E2M1 code in a uint8."""
+    return e2m1_magnitude_code(jnp.abs(y)) | (negative.astype(jnp.uint8) << 3)
+
+
+def e2m1_decode(codes: jnp.ndarray) -> jnp.ndarray:
+    """4-bit E2M1 codes (uint8, 0..15) -> float32 values (code 8 is -0.0)."""
+    return jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]

@@ -1,0 +1,57 @@
+"""FP8 E4M3 with one float32 scale per (token, head) over the D channels.
+
+docs/FORMAT.md section 4. The group is always the whole channel axis (axis "channels",
+group_size D); the codes are the float8_e4m3fn values themselves, 8 bits each.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax._numerics import E4M3_MAX, flush_subnormal, widen
+from kvq_jax.codec import Codec, check_kind
+from kvq_jax.packed import PackedKV
+
+
+class FP8E4M3Codec(Codec):
+    name = "fp8_e4m3"
+    array_fields = ("codes", "scale")
+    default_group_size = 0  # resolved to D
+
+    def resolve(self, shape, kind, axis, group_size):
+        check_kind(kind)
+        d = shape[2]
+        if axis not in (None, "channels"):
+            raise ValueError(f"axis must be 'channels' (or None) for fp8_e4m3, got {axis!r}")
+        if group_size is not None and group_size != d:
+            raise ValueError(
+                f"group_size must be D={d} (or None) for fp8_e4m3: one scale per "
+                f"(token, head), got {group_size}"
+            )
+        return "channels", d
+
+    def array_shapes(self, shape, axis, group_size):
+        t, h, d = shape
+        return {
+            "codes": ((t, h, d), np.dtype(jnp.float8_e4m3fn)),
+            "scale": ((t, h), np.dtype(np.float32)),
+        }
+
+    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+        x = widen(values)
+        finite = jnp.all(jnp.isfinite(x), axis=-1)
+        s = flush_subnormal(jnp.max(jnp.abs(x), axis=-1) / E4M3_MAX)
+        ok = (finite & (s > 0))[..., None]
+        q = jnp.clip(x / jnp.where(ok, s[..., None], 1.0), -E4M3_MAX, E4M3_MAX)
+        codes = jnp.where(ok, q, 0.0).astype(jnp.float8_e4m3fn)
+        scale = jnp.where(finite, s, jnp.float32(jnp.nan))
+        return self._packed({"codes": codes, "scale": scale}, kind=kind, axis=axis,
+                            group_size=group_size, shape=values.shape, dtype=values.dtype)
+
+    def unpack(self, packed, dtype) -> jnp.ndarray:
+        out = flush_subnormal(packed.codes.astype(jnp.float32) * packed.scale[..., None])
+        return out.astype(dtype)
+
+
+CODEC = FP8E4M3Codec()

@@ -1,0 +1,78 @@
+"""Grouped affine INT4 (FlashLoop arithmetic): FP16 minimum and scale per group, any G >= 1.
+
+docs/FORMAT.md section 2. Codes are computed with the float32 minimum/scale; the stored FP16
+metadata is rounded afterwards and used by decode (the reference behaviour).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax import _grouping, _nibbles
+from kvq_jax._numerics import flush_subnormal, round_half_even, widen
+from kvq_jax.codec import Codec
+from kvq_jax.packed import PackedKV
+
+
+def quantize_groups(xg: jnp.ndarray, valid, member_axis: int):
+    """Grouped float32 values -> (codes uint8 like xg, minimum f16, scale f16 per group).
+
+    `valid` is a boolean mask (or None) of the real members; padding never enters a min/max.
+    """
+    lo = xg if valid is None else jnp.where(valid, xg, jnp.inf)
+    hi = xg if valid is None else jnp.where(valid, xg, -jnp.inf)
+    mn = jnp.min(lo, axis=member_axis, keepdims=True)
+    mx = jnp.max(hi, axis=member_axis, keepdims=True)
+    finite = jnp.isfinite(mn) & jnp.isfinite(mx)
+    mn = jnp.where(mn == 0, jnp.float32(0.0), mn)  # a zero minimum is stored as +0.0
+    span = flush_subnormal(mx - mn)
+    scale = jnp.where(span > 0, flush_subnormal(span / jnp.float32(15.0)), jnp.float32(1.0))
+    q = round_half_even(flush_subnormal(xg - mn) / scale)
+    codes = jnp.where(q >= 0, jnp.minimum(q, 15.0), 0.0)  # NaN -> 0
+    codes = jnp.where(finite, codes, 0.0).astype(jnp.uint8)
+    minimum = jnp.where(finite, mn, jnp.nan).astype(jnp.float16)
+    scale = jnp.where(finite, scale, jnp.nan).astype(jnp.float16)
+    return codes, jnp.squeeze(minimum, member_axis), jnp.squeeze(scale, member_axis)
+
+
+def dequantize_groups(codes_g, minimum, scale, member_axis: int) -> jnp.ndarray:
+    """Grouped uint8 codes and per-group f16 metadata -> float32 values (grouped)."""
+    mn = jnp.expand_dims(minimum.astype(jnp.float32), member_axis)
+    sc = jnp.expand_dims(scale.astype(jnp.float32), member_axis)
+    return codes_g.astype(jnp.float32) * sc + mn
+
+
+class Int4Codec(Codec):
+    name = "int4"
+    array_fields = ("codes", "minimum", "scale")
+    default_group_size = 64
+
+    def array_shapes(self, shape, axis, group_size):
+        t, h, d = shape
+        meta = _grouping.metadata_shape(shape, axis, group_size)
+        return {
+            "codes": ((t, h, _nibbles.packed_width(d)), np.dtype(np.uint8)),
+            "minimum": (meta, np.dtype(np.float16)),
+            "scale": (meta, np.dtype(np.float16)),
+        }
+
+    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+        layout = _grouping.GroupLayout(values.shape, axis, group_size)
+        xg = layout.split(widen(values), 0.0)
+        valid = layout.split(jnp.ones(values.shape, bool), False) if layout._padding else None
+        codes_g, minimum, scale = quantize_groups(xg, valid, layout.member_axis)
+        codes = _nibbles.pack_nibbles(layout.merge(codes_g))
+        return self._packed({"codes": codes, "minimum": minimum, "scale": scale}, kind=kind,
+                            axis=axis, group_size=group_size, shape=values.shape,
+                            dtype=values.dtype)
+
+    def unpack(self, packed, dtype) -> jnp.ndarray:
+        layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
+        codes = _nibbles.unpack_nibbles(packed.codes, packed.shape[2])
+        out = dequantize_groups(layout.split(codes, 0), packed.minimum, packed.scale,
+                                layout.member_axis)
+        return layout.merge(out).astype(dtype)
+
+
+CODEC = Int4Codec()

@@ -1,0 +1,97 @@
+"""NVFP4 (vLLM reference arithmetic): E2M1 codes, one E4M3 scale per 16 elements, one float32
+global encode scale per packed tensor. docs/FORMAT.md section 3.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax import _grouping, _nibbles
+from kvq_jax._numerics import (
+    E2M1_MAX,
+    E4M3_MAX,
+    F32_MAX,
+    e2m1_decode,
+    e2m1_encode,
+    flush_subnormal,
+    widen,
+)
+from kvq_jax.codec import Codec
+from kvq_jax.packed import PackedKV
+
+GROUP_SIZE = 16
+#: 448 * 6: maps the tensor's amax onto the largest block scale times the largest E2M1 value.
+GLOBAL_NUMERATOR = np.float32(2688.0)
+#: float32 nearest to 1/6, as in vLLM's reference.
+ONE_SIXTH = np.float32(1.0 / 6.0)
+
+
+def global_scale(x: jnp.ndarray) -> jnp.ndarray:
+    """float32 tensor -> float32 [] encode scale g (all-zero and tiny-tensor rules applied)."""
+    amax = jnp.max(jnp.abs(x), initial=jnp.float32(0.0))
+    g = jnp.where(amax == 0, jnp.float32(1.0), GLOBAL_NUMERATOR / amax)
+    return jnp.where(jnp.isinf(g), F32_MAX, g)
+
+
+def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, member_axis: int):
+    """Grouped float32 values (padding = 0) and g -> (4-bit codes like xg, e4m3 block scales)."""
+    vmax = jnp.max(jnp.abs(xg), axis=member_axis, keepdims=True)
+    s = flush_subnormal(g * flush_subnormal(vmax * ONE_SIXTH))
+    s8 = jnp.minimum(s, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    sf = s8.astype(jnp.float32)
+    v = flush_subnormal(sf * flush_subnormal(jnp.float32(1.0) / g))
+    r = jnp.where(v == 0, jnp.float32(0.0), flush_subnormal(jnp.float32(1.0) / v))
+    y = flush_subnormal(xg * r)
+    # Tiny-scale fallback: the reciprocal path underflowed although the block scale did not.
+    fallback = (v == 0) & (sf > 0)
+    y_direct = flush_subnormal(flush_subnormal(xg * g) / jnp.where(fallback, sf, 1.0))
+    y = jnp.clip(jnp.where(fallback, y_direct, y), -E2M1_MAX, E2M1_MAX)
+    codes = e2m1_encode(y, jnp.signbit(xg))
+    return codes, jnp.squeeze(s8, member_axis)
+
+
+class NVFP4Codec(Codec):
+    name = "nvfp4"
+    array_fields = ("codes", "block_scale", "global_scale")
+    default_group_size = GROUP_SIZE
+
+    def resolve(self, shape, kind, axis, group_size):
+        axis, group_size = super().resolve(shape, kind, axis, group_size)
+        if group_size != GROUP_SIZE:
+            raise ValueError(f"group_size must be {GROUP_SIZE} for nvfp4, got {group_size}")
+        return axis, group_size
+
+    def array_shapes(self, shape, axis, group_size):
+        t, h, d = shape
+        return {
+            "codes": ((t, h, _nibbles.packed_width(d)), np.dtype(np.uint8)),
+            "block_scale": (_grouping.metadata_shape(shape, axis, group_size),
+                            np.dtype(jnp.float8_e4m3fn)),
+            "global_scale": ((), np.dtype(np.float32)),
+        }
+
+    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+        layout = _grouping.GroupLayout(values.shape, axis, group_size)
+        x = widen(values)
+        finite = jnp.all(jnp.isfinite(x))
+        g = global_scale(x)
+        codes_g, s8 = quantize_groups(layout.split(x, 0.0), g, layout.member_axis)
+        codes = jnp.where(finite, layout.merge(codes_g), jnp.uint8(0))
+        arrays = {
+            "codes": _nibbles.pack_nibbles(codes),
+            "block_scale": jnp.where(finite, s8, jnp.float8_e4m3fn(jnp.nan)),
+            "global_scale": jnp.where(finite, g, jnp.float32(jnp.nan)),
+        }
+        return self._packed(arrays, kind=kind, axis=axis, group_size=group_size,
+                            shape=values.shape, dtype=values.dtype)
+
+    def unpack(self, packed, dtype) -> jnp.ndarray:
+        layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
+        codes = _nibbles.unpack_nibbles(packed.codes, packed.shape[2])
+        step = flush_subnormal(packed.block_scale.astype(jnp.float32) / packed.global_scale)
+        out = flush_subnormal(e2m1_decode(layout.split(codes, 0)) * layout.expand(step))
+        return layout.merge(out).astype(dtype)
+
+
+CODEC = NVFP4Codec()
