@@ -25,8 +25,15 @@ E2M1_VALUES = np.concatenate([E2M1_MAGNITUDES, -E2M1_MAGNITUDES]).astype(np.floa
 
 # Midpoints between consecutive E2M1 magnitudes, and whether an exact tie rounds up (to the
 # even code above) or down (to the even code below).
-_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
-                   (3.5, True), (5.0, False))
+_E2M1_MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 
 
 def flush_subnormal(x: jnp.ndarray) -> jnp.ndarray:
@@ -64,3 +71,17 @@ def e2m1_encode(y: jnp.ndarray, negative: jnp.ndarray) -> jnp.ndarray:
 def e2m1_decode(codes: jnp.ndarray) -> jnp.ndarray:
     """4-bit E2M1 codes (uint8, 0..15) -> float32 values (code 8 is -0.0)."""
     return jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
+
+
+def subtract_in_dtype(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """a - b rounded once to a's dtype (bf16/fp16/fp32), computed in float32 with FTZ.
+
+    float32 has more than 2p + 2 significand bits for bf16 and fp16, so this equals the
+    correctly rounded subtraction in those dtypes.
+    """
+    return flush_subnormal(widen(a) - widen(b)).astype(a.dtype)
+
+
+def add_in_dtype(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """a + b rounded once to a's dtype, computed in float32 with FTZ (see subtract_in_dtype)."""
+    return flush_subnormal(widen(a) + widen(b)).astype(a.dtype)

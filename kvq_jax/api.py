@@ -15,11 +15,19 @@ import numpy as np
 from kvq_jax.codec import check_float_dtype, check_values
 from kvq_jax.packed import PackedKV
 from kvq_jax.registry import get_codec
+from kvq_jax.window import Window, WindowedKV, check_window, join_rows, split_rows
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis"))
-def pack_kv(values, *, kind: str, format: str = "int4", group_size: int | None = None,  # noqa: A002
-            axis: str | None = None) -> PackedKV:
+@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis", "window"))
+def pack_kv(
+    values,
+    *,
+    kind: str,
+    format: str = "int4",
+    group_size: int | None = None,
+    axis: str | None = None,
+    window: Window | None = None,
+) -> PackedKV | WindowedKV:
     """Quantize a KV tensor.
 
     Args:
@@ -29,26 +37,35 @@ def pack_kv(values, *, kind: str, format: str = "int4", group_size: int | None =
       group_size: elements per group along `axis` (int4: any >= 1, default 64; nvfp4: 16;
         fp8_e4m3: D, one scale per token and head).
       axis: "tokens" (default for keys) or "channels" (default for values).
+      window: keep the first `window.sink` and last `window.recent` rows in the input dtype
+        and pack only the middle rows (token groups are formed over those rows alone).
 
     Returns:
-      A `PackedKV` pytree (see its docstring for the array fields of each format).
+      A `PackedKV` pytree (see its docstring for the array fields of each format), or a
+      `WindowedKV` when a window is given.
     """
     values = jnp.asarray(values)
     shape, _ = check_values(values)
     codec = get_codec(format)
     axis, group_size = codec.resolve(shape, kind, axis, group_size)
-    return codec.pack(values, kind=kind, axis=axis, group_size=group_size)
+    if check_window(window) is None:
+        return codec.pack(values, kind=kind, axis=axis, group_size=group_size)
+    head, middle, tail = split_rows(values, window)
+    packed = codec.pack(middle, kind=kind, axis=axis, group_size=group_size)
+    return WindowedKV(head=head, tail=tail, middle=packed, window=window, shape=shape)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def unpack_kv(packed: PackedKV, dtype=None) -> jnp.ndarray:
-    """Dequantize a `PackedKV` to [T, H, D] in `dtype` (default: the dtype it was packed from).
+def unpack_kv(packed: PackedKV | WindowedKV, dtype=None) -> jnp.ndarray:
+    """Dequantize to [T, H, D] in `dtype` (default: the dtype it was packed from).
 
-    This is the reference path: it materializes the tensor. Attention kernels dequantize in
-    registers instead.
+    A `WindowedKV` returns its window rows exactly (cast to `dtype`). This is the reference
+    path: it materializes the tensor. Attention kernels dequantize in registers instead.
     """
-    if not isinstance(packed, PackedKV):
-        raise TypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
-    dtype = packed.dtype if dtype is None else check_float_dtype(dtype, "dtype")
-    codec = get_codec(packed.format)
-    return codec.unpack(packed, np.dtype(dtype))
+    if not isinstance(packed, PackedKV | WindowedKV):
+        raise TypeError(f"packed must be a PackedKV or WindowedKV, got {type(packed).__name__}")
+    dtype = np.dtype(packed.dtype if dtype is None else check_float_dtype(dtype, "dtype"))
+    if isinstance(packed, WindowedKV):
+        middle = unpack_kv(packed.middle, dtype)
+        return join_rows(packed.head.astype(dtype), middle, packed.tail.astype(dtype))
+    return get_codec(packed.format).unpack(packed, dtype)

@@ -91,13 +91,16 @@ class Codec(abc.ABC):
 
     def metadata_shapes(self, shape, axis: str, group_size: int) -> dict[str, tuple]:
         """{field: shape} of the metadata arrays (every array but codes)."""
-        return {k: s for k, (s, _) in self.array_shapes(shape, axis, group_size).items()
-                if k != "codes"}
+        return {
+            k: s for k, (s, _) in self.array_shapes(shape, axis, group_size).items() if k != "codes"
+        }
 
     def storage_bytes(self, shape, axis: str, group_size: int) -> int:
         """Bytes a packed tensor of logical `shape` occupies (all arrays, no overhead)."""
-        return sum(math.prod(s) * np.dtype(dt).itemsize
-                   for s, dt in self.array_shapes(shape, axis, group_size).values())
+        return sum(
+            math.prod(s) * np.dtype(dt).itemsize
+            for s, dt in self.array_shapes(shape, axis, group_size).values()
+        )
 
     # -- data paths (reference / XLA) -----------------------------------------------------
     @abc.abstractmethod
@@ -109,5 +112,12 @@ class Codec(abc.ABC):
         """Reference dequantization to [T, H, D] in `dtype` (materializes the tensor)."""
 
     def _packed(self, arrays: dict, *, kind, axis, group_size, shape, dtype) -> PackedKV:
-        return PackedKV(**arrays, format=self.name, kind=kind, axis=axis,
-                        group_size=group_size, shape=tuple(shape), dtype=np.dtype(dtype))
+        return PackedKV(
+            **arrays,
+            format=self.name,
+            kind=kind,
+            axis=axis,
+            group_size=group_size,
+            shape=tuple(shape),
+            dtype=np.dtype(dtype),
+        )

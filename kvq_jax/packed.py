@@ -44,7 +44,9 @@ class PackedKV:
     @property
     def arrays(self) -> dict[str, Any]:
         """The array fields this format uses, by name."""
-        return {name: getattr(self, name) for name in ARRAY_FIELDS if getattr(self, name) is not None}
+        return {
+            name: getattr(self, name) for name in ARRAY_FIELDS if getattr(self, name) is not None
+        }
 
     @property
     def batch_shape(self) -> tuple[int, ...]:

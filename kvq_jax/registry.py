@@ -18,7 +18,7 @@ def register_codec(codec: Codec, *, replace: bool = False) -> Codec:
     return codec
 
 
-def get_codec(format: str) -> Codec:  # noqa: A002 - the public argument is called `format`
+def get_codec(format: str) -> Codec:
     """The codec registered as `format`, or a ValueError listing the known formats."""
     try:
         return CODECS[format]

@@ -46,8 +46,14 @@ class FP8E4M3Codec(Codec):
         q = jnp.clip(x / jnp.where(ok, s[..., None], 1.0), -E4M3_MAX, E4M3_MAX)
         codes = jnp.where(ok, q, 0.0).astype(jnp.float8_e4m3fn)
         scale = jnp.where(finite, s, jnp.float32(jnp.nan))
-        return self._packed({"codes": codes, "scale": scale}, kind=kind, axis=axis,
-                            group_size=group_size, shape=values.shape, dtype=values.dtype)
+        return self._packed(
+            {"codes": codes, "scale": scale},
+            kind=kind,
+            axis=axis,
+            group_size=group_size,
+            shape=values.shape,
+            dtype=values.dtype,
+        )
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
         out = flush_subnormal(packed.codes.astype(jnp.float32) * packed.scale[..., None])

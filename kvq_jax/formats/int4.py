@@ -63,15 +63,21 @@ class Int4Codec(Codec):
         valid = layout.split(jnp.ones(values.shape, bool), False) if layout._padding else None
         codes_g, minimum, scale = quantize_groups(xg, valid, layout.member_axis)
         codes = _nibbles.pack_nibbles(layout.merge(codes_g))
-        return self._packed({"codes": codes, "minimum": minimum, "scale": scale}, kind=kind,
-                            axis=axis, group_size=group_size, shape=values.shape,
-                            dtype=values.dtype)
+        return self._packed(
+            {"codes": codes, "minimum": minimum, "scale": scale},
+            kind=kind,
+            axis=axis,
+            group_size=group_size,
+            shape=values.shape,
+            dtype=values.dtype,
+        )
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
         codes = _nibbles.unpack_nibbles(packed.codes, packed.shape[2])
-        out = dequantize_groups(layout.split(codes, 0), packed.minimum, packed.scale,
-                                layout.member_axis)
+        out = dequantize_groups(
+            layout.split(codes, 0), packed.minimum, packed.scale, layout.member_axis
+        )
         return layout.merge(out).astype(dtype)
 
 

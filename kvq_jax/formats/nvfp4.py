@@ -66,8 +66,10 @@ class NVFP4Codec(Codec):
         t, h, d = shape
         return {
             "codes": ((t, h, _nibbles.packed_width(d)), np.dtype(np.uint8)),
-            "block_scale": (_grouping.metadata_shape(shape, axis, group_size),
-                            np.dtype(jnp.float8_e4m3fn)),
+            "block_scale": (
+                _grouping.metadata_shape(shape, axis, group_size),
+                np.dtype(jnp.float8_e4m3fn),
+            ),
             "global_scale": ((), np.dtype(np.float32)),
         }
 
@@ -83,8 +85,14 @@ class NVFP4Codec(Codec):
             "block_scale": jnp.where(finite, s8, jnp.float8_e4m3fn(jnp.nan)),
             "global_scale": jnp.where(finite, g, jnp.float32(jnp.nan)),
         }
-        return self._packed(arrays, kind=kind, axis=axis, group_size=group_size,
-                            shape=values.shape, dtype=values.dtype)
+        return self._packed(
+            arrays,
+            kind=kind,
+            axis=axis,
+            group_size=group_size,
+            shape=values.shape,
+            dtype=values.dtype,
+        )
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)

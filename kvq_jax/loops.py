@@ -1,0 +1,200 @@
+"""Loop stacks: the KV of one layer across all loops of a looped LM, in one jitted call.
+
+Loop 0 is packed whole (the base); loop l >= 1 is a `KVResidual` against the reconstruction of
+loop l - 1. Dense residual loops run as one `lax.scan` whose carry is the running
+reconstruction; sparse loops (their own position maps, e.g. 25% of tokens in loop 2 and a
+10% subset in loop 3, 0-based) run as unrolled steps inside the same jit with static shapes.
+Loops are numbered from 0: `decode_loop(code, loop=l) == decode_loops(code)[l]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax.api import pack_kv, unpack_kv
+from kvq_jax.codec import check_float_dtype
+from kvq_jax.packed import PackedKV
+from kvq_jax.registry import get_codec
+from kvq_jax.residual import KVResidual, decode_residual, encode_residual
+from kvq_jax.window import Window, WindowedKV, check_window
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopCode:
+    """A packed loop stack: `base` (loop 0) and one `KVResidual` per later loop."""
+
+    base: PackedKV | WindowedKV
+    residuals: tuple[KVResidual, ...]
+
+    @property
+    def num_loops(self) -> int:
+        return 1 + len(self.residuals)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(T, H, D) of one loop."""
+        return self.base.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.base.dtype
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of every array held, over all loops (positions and window rows included)."""
+        return self.base.storage_bytes + sum(r.storage_bytes for r in self.residuals)
+
+    @property
+    def num_elements(self) -> int:
+        return self.base.num_elements * self.num_loops
+
+    @property
+    def bits_per_element(self) -> float:
+        n = self.num_elements
+        return self.storage_bytes * 8 / n if n else float("nan")
+
+
+jax.tree_util.register_dataclass(LoopCode, data_fields=["base", "residuals"], meta_fields=[])
+
+
+def _resolve_positions(positions, num_residuals: int) -> tuple:
+    if positions is None:
+        return (None,) * num_residuals
+    if not isinstance(positions, Sequence) or isinstance(positions, str):
+        raise TypeError(
+            "positions must be None or a sequence with one entry (None or int32[N]) "
+            f"per later loop, got {type(positions).__name__}"
+        )
+    if len(positions) != num_residuals:
+        raise ValueError(
+            f"positions must have one entry per later loop ({num_residuals}), got {len(positions)}"
+        )
+    return tuple(positions)
+
+
+def _residual_group_size(base_format, residual_format, group_size, residual_group_size):
+    if residual_group_size is not None:
+        return residual_group_size
+    if residual_format == base_format:
+        return group_size
+    return None  # a different format: its own default
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "kind",
+        "base_format",
+        "residual_format",
+        "group_size",
+        "residual_group_size",
+        "axis",
+        "window",
+    ),
+)
+def encode_loops(
+    loops,
+    *,
+    kind: str,
+    base_format: str = "int4",
+    residual_format: str | None = None,
+    group_size: int | None = None,
+    residual_group_size: int | None = None,
+    axis: str | None = None,
+    positions=None,
+    window: Window | None = None,
+) -> LoopCode:
+    """Pack a loop stack `loops` [L, T, H, D] (L >= 1) as a base plus L - 1 residuals.
+
+    Args:
+      kind, axis: as for `pack_kv`, for every loop.
+      base_format / residual_format: formats of loop 0 and of the deltas (default: the same).
+      group_size: group size of the base (and of the residuals when they share its format).
+      residual_group_size: group size of the residuals (default: `group_size` for the same
+        format, else the residual format's default).
+      positions: None (every later loop dense) or a sequence of L - 1 entries, each None
+        (dense) or int32 [N_l] rows of that loop (see `validate_positions`).
+      window: raw window rows for the base and every residual.
+    """
+    loops = jnp.asarray(loops)
+    if loops.ndim != 4:
+        raise ValueError(f"loops must have rank 4 [L, T, H, D], got shape {loops.shape}")
+    if loops.shape[0] < 1:
+        raise ValueError("loops must hold at least one loop (L >= 1)")
+    check_float_dtype(loops.dtype, "loops.dtype")
+    residual_format = base_format if residual_format is None else residual_format
+    get_codec(base_format), get_codec(residual_format)
+    window = check_window(window)
+    r_group = _residual_group_size(base_format, residual_format, group_size, residual_group_size)
+    positions = _resolve_positions(positions, loops.shape[0] - 1)
+
+    base = pack_kv(
+        loops[0], kind=kind, format=base_format, group_size=group_size, axis=axis, window=window
+    )
+    recon = unpack_kv(base)
+    encode = functools.partial(
+        encode_residual,
+        kind=kind,
+        format=residual_format,
+        group_size=r_group,
+        axis=axis,
+        window=window,
+    )
+
+    if all(p is None for p in positions) and loops.shape[0] > 1:
+
+        def step(previous, current):
+            residual = encode(current, previous)
+            return decode_residual(residual, previous), residual
+
+        _, stacked = jax.lax.scan(step, recon, loops[1:])
+        residuals = tuple(
+            jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(loops.shape[0] - 1)
+        )
+        return LoopCode(base=base, residuals=residuals)
+
+    residuals = []
+    for current, pos in zip(loops[1:], positions, strict=True):
+        rows = current if pos is None else current[jnp.asarray(pos)]
+        residual = encode(rows, recon, positions=pos)
+        recon = decode_residual(residual, recon)
+        residuals.append(residual)
+    return LoopCode(base=base, residuals=tuple(residuals))
+
+
+def _check_code(code):
+    if not isinstance(code, LoopCode):
+        raise TypeError(f"code must be a LoopCode, got {type(code).__name__}")
+
+
+@jax.jit
+def decode_loops(code: LoopCode) -> jnp.ndarray:
+    """Every loop reconstructed: [L, T, H, D] in the input dtype."""
+    _check_code(code)
+    recon = unpack_kv(code.base)
+    out = [recon]
+    for residual in code.residuals:
+        recon = decode_residual(residual, recon)
+        out.append(recon)
+    return jnp.stack(out)
+
+
+@functools.partial(jax.jit, static_argnames=("loop",))
+def decode_loop(code: LoopCode, *, loop: int) -> jnp.ndarray:
+    """Loop `loop` (0-based) reconstructed, [T, H, D], carrying one running reconstruction
+    through the residuals instead of materializing every loop."""
+    _check_code(code)
+    if isinstance(loop, bool) or not isinstance(loop, int | np.integer):
+        raise TypeError(f"loop must be an int, got {type(loop).__name__}")
+    if not 0 <= loop < code.num_loops:
+        raise ValueError(f"loop must be in [0, {code.num_loops}), got {loop}")
+    recon = unpack_kv(code.base)
+    for residual in code.residuals[:loop]:
+        recon = decode_residual(residual, recon)
+    return recon

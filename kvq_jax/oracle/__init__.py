@@ -1,0 +1,308 @@
+"""kvq scalar oracle: the reference every kvq implementation is judged against, bit for bit.
+
+The oracle implements the three storage formats of docs/FORMAT.md (``int4``, ``nvfp4``,
+``fp8_e4m3``) one element at a time in plain Python. It shares no code with the JAX codecs,
+the Torch codec or the GPU kernels, does not import JAX, and does no numpy arithmetic and no
+ml_dtypes conversion: numpy is only the container for input and output. Every float32
+operation is a Python binary64 operation rounded to float32 with ``struct`` and flushed
+(`kvq_jax.oracle.scalar`); E2M1 and E4M3 encodings are nearest-value searches over tables
+written out by hand (`e2m1`) or decoded from every bit pattern (`e4m3`). It is slow (a few
+microseconds per element) and meant to be read.
+
+    from kvq_jax import oracle
+    enc = oracle.pack(values, format="nvfp4", kind="key")    # values: numpy [T, H, D]
+    enc.arrays                # {"codes": uint8, "block_scale": float8_e4m3fn, "global_scale": f32}
+    out = oracle.unpack(enc)  # numpy [T, H, D] in the input dtype (or dtype=...)
+
+Checking an outside kernel (CUDA, Triton, Pallas, ...): feed the same numpy input to the kernel
+and to `pack`, and compare every array field as raw bytes; `mismatches` does that and names
+the first differing elements::
+
+    expected = oracle.pack(x, format="int4", kind="value", group_size=32)
+    assert not oracle.mismatches(expected.arrays, my_kernel_pack(x))   # dict name -> array
+
+To judge a decode kernel, wrap the kernel's (or the oracle's) arrays in an `OraclePacked` and
+compare ``oracle.unpack(...)`` with the kernel's output, with ``nan_equal=True`` (a decoded
+NaN's sign and payload depend on the device; stored metadata NaNs are canonical and compared
+as bytes). See docs/ORACLE.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+
+from kvq_jax.oracle import e2m1, e4m3, fp8_e4m3, int4, layout, nvfp4, scalar
+
+__all__ = [
+    "AXES",
+    "DEFAULT_AXIS",
+    "FORMATS",
+    "KINDS",
+    "OraclePacked",
+    "array_spec",
+    "e2m1",
+    "e4m3",
+    "layout",
+    "mismatches",
+    "pack",
+    "scalar",
+    "unpack",
+    "widen",
+]
+
+#: Format names.
+FORMATS = ("int4", "nvfp4", "fp8_e4m3")
+#: Tensor kinds.
+KINDS = ("key", "value")
+#: Grouping axes.
+AXES = layout.AXES
+#: Grouping axis used when `axis` is None (FP8 is always "channels").
+DEFAULT_AXIS = {"key": "tokens", "value": "channels"}
+
+_F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+_U8 = np.dtype(np.uint8)
+#: Supported value dtypes -> the unsigned integer dtype of the same width (to read/write bits).
+_BITS_DTYPE = {_F32: np.dtype(np.uint32), _F16: np.dtype(np.uint16), _BF16: np.dtype(np.uint16)}
+_BITS_DTYPE.update({_U8: _U8, _E4M3: _U8})
+_VALUE_DTYPES = (_F32, _F16, _BF16)
+
+_CODECS = {"int4": int4, "nvfp4": nvfp4, "fp8_e4m3": fp8_e4m3}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OraclePacked:
+    """A tensor packed by the oracle: static description plus the stored arrays.
+
+    arrays, by format (metadata shape: ``[ceil(T/G), H, D]`` for axis "tokens",
+    ``[T, H, ceil(D/G)]`` for axis "channels"):
+      int4:     codes uint8 [T, H, ceil(D/2)], minimum float16, scale float16 [metadata]
+      nvfp4:    codes uint8 [T, H, ceil(D/2)], block_scale float8_e4m3fn [metadata],
+                global_scale float32 []
+      fp8_e4m3: codes float8_e4m3fn [T, H, D], scale float32 [T, H]
+    """
+
+    format: str
+    kind: str
+    axis: str
+    group_size: int
+    shape: tuple[int, int, int]
+    dtype: np.dtype
+    arrays: dict[str, np.ndarray]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _resolve(format, kind, axis, group_size, n_channels: int) -> tuple[str, int]:
+    """Validate the static arguments; return (axis, group_size) with defaults applied."""
+    _check_choice("format", format, FORMATS)
+    _check_choice("kind", kind, KINDS)
+    if axis is not None:
+        _check_choice("axis", axis, AXES)
+    if group_size is not None and (
+        isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral)
+    ):
+        raise TypeError(f"group_size must be an int or None, got {group_size!r}")
+    if format == "fp8_e4m3":
+        if axis not in (None, "channels"):
+            raise ValueError(f"axis: fp8_e4m3 always groups over 'channels', got {axis!r}")
+        if group_size is not None and group_size != n_channels:
+            raise ValueError(
+                f"group_size: fp8_e4m3 always uses one group of D={n_channels} channels, "
+                f"got {group_size!r}"
+            )
+        return "channels", n_channels
+    axis = DEFAULT_AXIS[kind] if axis is None else axis
+    if format == "nvfp4":
+        if group_size is not None and group_size != nvfp4.GROUP_SIZE:
+            raise ValueError(f"group_size must be 16 for nvfp4, got {group_size!r}")
+        return axis, nvfp4.GROUP_SIZE
+    if group_size is None:
+        return axis, 64
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1 for int4, got {group_size!r}")
+    return axis, int(group_size)
+
+
+def array_spec(format: str, shape, axis: str, group_size: int) -> dict[str, tuple]:
+    """The stored arrays of a format: ``{name: (numpy dtype, shape)}``."""
+    _check_choice("format", format, FORMATS)
+    shape = tuple(shape)
+    if format == "fp8_e4m3":
+        return {"codes": (_E4M3, shape), "scale": (_F32, shape[:2])}
+    meta = layout.metadata_shape(shape, axis, group_size)
+    codes = (_U8, layout.packed_shape(shape))
+    if format == "int4":
+        return {"codes": codes, "minimum": (_F16, meta), "scale": (_F16, meta)}
+    return {"codes": codes, "block_scale": (_E4M3, meta), "global_scale": (_F32, ())}
+
+
+# --------------------------------------------------------------------------- bits <-> numpy
+
+
+def widen(values: np.ndarray) -> list[float]:
+    """float32 / float16 / bfloat16 array -> flat row-major list of flushed float32 values.
+
+    Reads raw bits only: float32 via a uint32 view, float16 via a uint16 view decoded with
+    ``struct`` format "e", bfloat16 via a uint16 view shifted into the float32 high half.
+    """
+    dtype = np.dtype(values.dtype)
+    if dtype not in _VALUE_DTYPES:
+        raise TypeError(f"values dtype must be float32, float16 or bfloat16, got {dtype}")
+    bits = np.ascontiguousarray(values).reshape(-1).view(_BITS_DTYPE[dtype]).tolist()
+    if dtype == _F32:
+        to_float = scalar.bits_to_f32
+    elif dtype == _F16:
+        to_float = scalar.bits_to_f16
+    else:
+        to_float = scalar.bits_to_bf16
+    return [scalar.ftz(to_float(b)) for b in bits]
+
+
+def _from_bits(bits: list[int], dtype: np.dtype, shape) -> np.ndarray:
+    """Raw bit patterns -> numpy array of `dtype` (a view of an unsigned integer array)."""
+    return np.array(bits, dtype=_BITS_DTYPE[dtype]).reshape(shape).view(dtype)
+
+
+def _to_bits(array: np.ndarray) -> list[int]:
+    """numpy array -> flat row-major list of its raw bit patterns."""
+    return np.ascontiguousarray(array).reshape(-1).view(_BITS_DTYPE[array.dtype]).tolist()
+
+
+#: Per value dtype: (mask without the sign bit, infinity pattern). NaN: masked bits > inf.
+_NAN_TEST = {_F32: (0x7FFFFFFF, 0x7F800000), _F16: (0x7FFF, 0x7C00), _BF16: (0x7FFF, 0x7F80)}
+
+
+def _is_nan_bits(bits: int, dtype: np.dtype) -> bool:
+    """True if `bits` is a NaN pattern of the float dtype `dtype` (False for other dtypes)."""
+    if dtype not in _NAN_TEST:
+        return False
+    mask, inf = _NAN_TEST[dtype]
+    return (bits & mask) > inf
+
+
+def _cast_out_bits(xs: list[float], dtype: np.dtype) -> list[int]:
+    """cast_out: float32 values -> bit patterns of `dtype` (round to nearest even)."""
+    if dtype == _F32:
+        return [scalar.f32_to_bits(x) for x in xs]
+    if dtype == _F16:
+        return [scalar.f16_bits(x) for x in xs]
+    return [scalar.bf16_bits(x) for x in xs]
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def pack(values: np.ndarray, *, format: str, kind: str, group_size=None, axis=None):
+    """Encode numpy ``values[T, H, D]`` (float32, float16 or bfloat16) -> `OraclePacked`.
+
+    `axis` defaults to "tokens" for keys and "channels" for values; FP8 is always
+    "channels" with one group of D. `group_size`: int4 any int >= 1 (default 64), nvfp4 16,
+    fp8_e4m3 D. Raises ValueError / TypeError naming the offending argument.
+    """
+    if not isinstance(values, np.ndarray):
+        raise TypeError(f"values must be a numpy.ndarray, got {type(values).__name__}")
+    if np.dtype(values.dtype) not in _VALUE_DTYPES:
+        raise TypeError(f"values dtype must be float32, float16 or bfloat16, got {values.dtype}")
+    if values.ndim != 3:
+        raise ValueError(f"values must have rank 3 [T, H, D], got shape {values.shape}")
+    shape = tuple(int(n) for n in values.shape)
+    axis, group_size = _resolve(format, kind, axis, group_size, shape[2])
+    bits = _CODECS[format].encode(widen(values), shape, axis, group_size)
+    spec = array_spec(format, shape, axis, group_size)
+    arrays = {name: _from_bits(bits[name], dt, shp) for name, (dt, shp) in spec.items()}
+    return OraclePacked(
+        format=format,
+        kind=kind,
+        axis=axis,
+        group_size=group_size,
+        shape=shape,
+        dtype=np.dtype(values.dtype),
+        arrays=arrays,
+    )
+
+
+def unpack(enc: OraclePacked, dtype=None) -> np.ndarray:
+    """Decode `enc` -> numpy ``[T, H, D]`` in `dtype` (default ``enc.dtype``).
+
+    The arrays are validated against the format (names, dtypes, shapes, zero padding
+    nibbles), so an `OraclePacked` wrapping a kernel's arrays decodes the same way.
+    """
+    if not isinstance(enc, OraclePacked):
+        raise TypeError(f"enc must be an OraclePacked, got {type(enc).__name__}")
+    try:
+        out_dtype = np.dtype(enc.dtype if dtype is None else dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
+    if out_dtype not in _VALUE_DTYPES:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    shape = tuple(enc.shape)
+    if len(shape) != 3:
+        raise ValueError(f"enc.shape must be [T, H, D], got {enc.shape!r}")
+    axis, group_size = _resolve(enc.format, enc.kind, enc.axis, enc.group_size, shape[2])
+    spec = array_spec(enc.format, shape, axis, group_size)
+    if set(enc.arrays) != set(spec):
+        raise ValueError(f"enc.arrays must hold exactly {sorted(spec)}, got {sorted(enc.arrays)}")
+    bits = {}
+    for name, (dt, shp) in spec.items():
+        array = enc.arrays[name]
+        if not isinstance(array, np.ndarray) or array.dtype != dt or array.shape != shp:
+            got = (getattr(array, "dtype", None), getattr(array, "shape", None))
+            raise ValueError(f"enc.arrays[{name!r}] must be {dt} {shp}, got {got}")
+        bits[name] = _to_bits(array)
+    xs = _CODECS[enc.format].decode(bits, shape, axis, group_size)
+    return _from_bits(_cast_out_bits(xs, out_dtype), out_dtype, shape)
+
+
+def mismatches(expected, actual, *, nan_equal: bool = False, limit: int = 5) -> list[str]:
+    """Compare arrays as raw bytes; return human-readable differences (empty if identical).
+
+    `expected` / `actual`: one numpy array each, or mappings name -> array (e.g.
+    ``enc.arrays`` and a kernel's outputs). dtype, shape and every element's bit pattern
+    must agree. With ``nan_equal=True`` two NaNs of any sign/payload count as equal (use it
+    for decoded values, never for stored arrays). At most `limit` elements are listed per
+    array.
+    """
+    if not isinstance(expected, Mapping):
+        expected, actual = {"array": expected}, {"array": actual}
+    problems = []
+    if set(expected) != set(actual):
+        problems.append(f"fields differ: expected {sorted(expected)}, got {sorted(actual)}")
+    for name in sorted(set(expected) & set(actual)):
+        want = expected[name]
+        got = np.asarray(actual[name])
+        if got.dtype != want.dtype or got.shape != want.shape:
+            problems.append(
+                f"{name}: expected {want.dtype} {want.shape}, got {got.dtype} {got.shape}"
+            )
+            continue
+        want_bits = _to_bits(want)
+        got_bits = _to_bits(got)
+        unsigned = _BITS_DTYPE[want.dtype]
+        shown = 0
+        for i, (w, g) in enumerate(zip(want_bits, got_bits, strict=True)):
+            if w == g:
+                continue
+            if nan_equal and _is_nan_bits(w, want.dtype) and _is_nan_bits(g, want.dtype):
+                continue
+            if shown < limit:
+                index = [int(k) for k in np.unravel_index(i, want.shape)] if want.ndim else []
+                width = 2 * unsigned.itemsize
+                problems.append(f"{name}{index}: expected 0x{w:0{width}x}, got 0x{g:0{width}x}")
+            shown += 1
+        if shown > limit:
+            problems.append(f"{name}: {shown - limit} more differing elements")
+    return problems

@@ -1,0 +1,227 @@
+"""Cross-loop residuals: store loop l as a packed delta against the reconstructed loop l-1.
+
+    D_l = X_l - R_{l-1}              (in the input dtype)
+    R_l = R_{l-1} + decode(pack(D_l))  (in the input dtype)
+
+Encoding against the reconstruction (not the original) keeps the error of loop l at the level
+of one encoding instead of compounding. Sparse residuals store only some rows: compact rows
+[N, H, D] and an owned int32 position map into [0, T); absent rows inherit R_{l-1}.
+
+This layer sits above the codecs and works with any registered format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax._numerics import add_in_dtype, subtract_in_dtype
+from kvq_jax.api import pack_kv, unpack_kv
+from kvq_jax.codec import check_values
+from kvq_jax.packed import PackedKV
+from kvq_jax.window import Window, array_bytes, check_window, split_rows
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVResidual:
+    """One loop stored as a delta against the reconstructed previous loop.
+
+    payload:   PackedKV of the delta of the quantized rows, [M, H, D].
+    positions: int32 [N] rows of [0, T) this residual owns (None: dense, every row).
+    head/tail: raw rows of the current loop kept by the window (None without a window),
+               [h, H, D] and [t, H, D] in the input dtype.
+    shape:     (T, H, D) of the full loop.
+    window:    the Window, or None.
+
+    Dense without window M = T; sparse M = N; a window takes h rows from the front and t rows
+    from the back of the (compact) rows before the rest is packed.
+    """
+
+    payload: PackedKV
+    positions: Any = None
+    head: Any = None
+    tail: Any = None
+    shape: tuple[int, int, int]
+    window: Window | None = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.payload.dtype
+
+    @property
+    def format(self) -> str:
+        return self.payload.format
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of every array held: packed delta, position map and raw window rows."""
+        return self.payload.storage_bytes + array_bytes((self.positions, self.head, self.tail))
+
+    @property
+    def num_elements(self) -> int:
+        """Elements of the full loop this residual reconstructs (batch axes included)."""
+        return math.prod(self.payload.batch_shape) * math.prod(self.shape)
+
+    @property
+    def bits_per_element(self) -> float:
+        n = self.num_elements
+        return self.storage_bytes * 8 / n if n else float("nan")
+
+
+jax.tree_util.register_dataclass(
+    KVResidual,
+    data_fields=["payload", "positions", "head", "tail"],
+    meta_fields=["shape", "window"],
+)
+
+
+def _check_positions_static(positions, rows: int, num_tokens: int):
+    """Trace-time checks of a position map: rank, dtype, length (no data needed)."""
+    if positions is None:
+        return None
+    positions = jnp.asarray(positions)
+    if positions.ndim != 1:
+        raise ValueError(f"positions must be rank 1 [N], got shape {positions.shape}")
+    if positions.dtype != jnp.int32:
+        raise TypeError(f"positions must have dtype int32, got {positions.dtype}")
+    if positions.shape[0] != rows:
+        raise ValueError(f"positions has {positions.shape[0]} entries but current has {rows} rows")
+    if rows > num_tokens:
+        raise ValueError(f"positions has {rows} entries, more than the {num_tokens} tokens")
+    return positions
+
+
+def _check_pair(current, previous, positions):
+    current, previous = jnp.asarray(current), jnp.asarray(previous)
+    (n, h, d), dtype = check_values(current, "current")
+    (t, hp, dp), dtype_p = check_values(previous, "previous")
+    if dtype != dtype_p:
+        raise TypeError(f"current.dtype {dtype} != previous.dtype {dtype_p}")
+    if (h, d) != (hp, dp):
+        raise ValueError(
+            f"current [N, H, D] = {current.shape} does not match "
+            f"previous [T, H, D] = {previous.shape} in H, D"
+        )
+    if positions is None and n != t:
+        raise ValueError(
+            f"dense residual: current has {n} rows but previous has {t} "
+            f"(pass positions for a sparse residual)"
+        )
+    return current, previous, _check_positions_static(positions, n, t)
+
+
+def validate_positions(positions, num_tokens: int, *, window: Window | None = None) -> None:
+    """Host-side check of a position map; raises ValueError if it is not usable.
+
+    Checks: int32, rank 1, strictly increasing (sorted and unique), every entry in
+    [0, num_tokens), and with a window, that the map holds every window row (the first
+    min(sink, T) and the last tokens the window keeps). Call it when you want it: it reads the
+    data (a device->host transfer), so the jitted encode/decode paths never call it.
+    """
+    p = np.asarray(positions)
+    if p.ndim != 1:
+        raise ValueError(f"positions must be rank 1, got shape {p.shape}")
+    if p.dtype != np.int32:
+        raise ValueError(f"positions must have dtype int32, got {p.dtype}")
+    if p.size and (p.min() < 0 or p.max() >= num_tokens):
+        raise ValueError(
+            f"positions must lie in [0, {num_tokens}), got range [{p.min()}, {p.max()}]"
+        )
+    if p.size > 1 and not np.all(np.diff(p) > 0):
+        bad = int(np.argmax(np.diff(p) <= 0))
+        raise ValueError(
+            f"positions must be strictly increasing; positions[{bad}] = {p[bad]} "
+            f">= positions[{bad + 1}] = {p[bad + 1]}"
+        )
+    if window is not None:
+        head, _, tail = window.split_sizes(num_tokens)
+        need = np.concatenate([np.arange(head), np.arange(num_tokens - tail, num_tokens)])
+        missing = np.setdiff1d(need, p)
+        if missing.size:
+            raise ValueError(
+                f"with a window, positions must include every window row; "
+                f"missing {missing[:8].tolist()}"
+            )
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis", "window"))
+def encode_residual(
+    current,
+    previous,
+    *,
+    kind: str,
+    format: str = "int4",
+    group_size: int | None = None,
+    axis: str | None = None,
+    positions=None,
+    window: Window | None = None,
+) -> KVResidual:
+    """Pack `current` as a delta against the reconstructed `previous`.
+
+    Args:
+      current: [T, H, D] (dense) or the compact rows [N, H, D] listed by `positions`.
+      previous: the reconstructed predecessor, [T, H, D], same dtype as `current`.
+      kind, format, group_size, axis: as for `pack_kv`; the delta is packed with them.
+      positions: None (dense) or int32 [N], strictly increasing in [0, T) (not checked here:
+        see `validate_positions`).
+      window: keep the first `sink` and last `recent` rows (of the compact rows, for a sparse
+        residual, whose map must then include the window rows) raw, in the input dtype.
+    """
+    current, previous, positions = _check_pair(current, previous, positions)
+    window = check_window(window)
+    head = tail = None
+    if window is not None:
+        head, current, tail = split_rows(current, window)
+        if positions is not None:
+            _, positions_mid, _ = split_rows(positions, window)
+            base = previous[positions_mid]
+        else:
+            base = split_rows(previous, window)[1]
+    else:
+        base = previous if positions is None else previous[positions]
+    delta = subtract_in_dtype(current, base)
+    payload = pack_kv(delta, kind=kind, format=format, group_size=group_size, axis=axis)
+    return KVResidual(
+        payload=payload,
+        positions=positions,
+        head=head,
+        tail=tail,
+        shape=previous.shape,
+        window=window,
+    )
+
+
+@jax.jit
+def decode_residual(residual: KVResidual, previous) -> jnp.ndarray:
+    """Rebuild the loop: `previous` + decoded delta on the owned rows, in the input dtype.
+
+    Rows a sparse residual does not list are `previous`'s rows, bit for bit; window rows are
+    the stored raw rows, bit for bit.
+    """
+    if not isinstance(residual, KVResidual):
+        raise TypeError(f"residual must be a KVResidual, got {type(residual).__name__}")
+    previous = jnp.asarray(previous)
+    shape, dtype = check_values(previous, "previous")
+    if shape != residual.shape or dtype != residual.dtype:
+        raise ValueError(
+            f"previous is {dtype}{list(shape)} but the residual was encoded "
+            f"against {residual.dtype}{list(residual.shape)}"
+        )
+    delta = unpack_kv(residual.payload)
+    window, positions = residual.window, residual.positions
+    if positions is None:
+        if window is None:
+            return add_in_dtype(previous, delta)
+        _, middle, _ = split_rows(previous, window)
+        return jnp.concatenate([residual.head, add_in_dtype(middle, delta), residual.tail])
+    if window is None:
+        return previous.at[positions].set(add_in_dtype(previous[positions], delta))
+    head_pos, mid_pos, tail_pos = split_rows(positions, window)
+    out = previous.at[mid_pos].set(add_in_dtype(previous[mid_pos], delta))
+    return out.at[head_pos].set(residual.head).at[tail_pos].set(residual.tail)

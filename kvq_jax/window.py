@@ -1,0 +1,101 @@
+"""The BF16 window policy: keep the first `sink` and last `recent` token rows unquantized.
+
+Keeping the attention-sink tokens and the most recent tokens in the input dtype cut the KL of
+all-4-bit policies 5-14x on Ouro in the seed measurements. Only the middle rows are packed, and
+token-axis groups are formed over those rows alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax.packed import PackedKV
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Rows kept in the input dtype: the first `sink` and the last `recent` tokens."""
+
+    sink: int = 4
+    recent: int = 16
+
+    def __post_init__(self):
+        for name in ("sink", "recent"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+                raise ValueError(f"Window.{name} must be an int >= 0, got {value!r}")
+
+    def split_sizes(self, rows: int) -> tuple[int, int, int]:
+        """(head, middle, tail) row counts for a tensor of `rows` rows (head filled first)."""
+        head = min(self.sink, rows)
+        tail = min(self.recent, rows - head)
+        return head, rows - head - tail, tail
+
+
+def check_window(window) -> Window | None:
+    if window is not None and not isinstance(window, Window):
+        raise TypeError(f"window must be a kvq_jax.Window or None, got {type(window).__name__}")
+    return window
+
+
+def split_rows(x: jnp.ndarray, window: Window):
+    """[R, ...] -> (head [h, ...], middle [m, ...], tail [t, ...]) by the window's sizes."""
+    head, middle, _ = window.split_sizes(x.shape[0])
+    return x[:head], x[head : head + middle], x[head + middle :]
+
+
+def join_rows(head, middle, tail) -> jnp.ndarray:
+    return jnp.concatenate([head, middle, tail], axis=0)
+
+
+def array_bytes(arrays) -> int:
+    """Bytes of the arrays among `arrays` (None entries skipped)."""
+    return sum(a.size * np.dtype(a.dtype).itemsize for a in arrays if a is not None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WindowedKV:
+    """A [T, H, D] tensor whose window rows are stored raw and whose middle rows are packed.
+
+    head: [h, H, D] and tail: [t, H, D] in the input dtype (h = min(sink, T),
+    t = min(recent, T - h)); middle: PackedKV of the [T - h - t, H, D] middle rows.
+    """
+
+    head: Any
+    tail: Any
+    middle: PackedKV
+    window: Window
+    shape: tuple[int, int, int]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.middle.dtype
+
+    @property
+    def format(self) -> str:
+        return self.middle.format
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of every array held: raw window rows plus the packed middle."""
+        return array_bytes((self.head, self.tail)) + self.middle.storage_bytes
+
+    @property
+    def num_elements(self) -> int:
+        return math.prod(self.middle.batch_shape) * math.prod(self.shape)
+
+    @property
+    def bits_per_element(self) -> float:
+        n = self.num_elements
+        return self.storage_bytes * 8 / n if n else float("nan")
+
+
+jax.tree_util.register_dataclass(
+    WindowedKV, data_fields=["head", "tail", "middle"], meta_fields=["window", "shape"]
+)
