@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 
 AXES = ("tokens", "channels")
 
@@ -45,7 +44,7 @@ class GroupLayout:
         return metadata_shape(self.shape, self.axis, self.group_size)
 
     @property
-    def _padding(self) -> int:
+    def padding(self) -> int:
         length = self.shape[0] if self.axis == "tokens" else self.shape[2]
         return num_groups(length, self.group_size) * self.group_size - length
 
@@ -58,21 +57,22 @@ class GroupLayout:
         """[T, H, D] -> grouped view; the missing members of a partial group hold `fill`."""
         t, h, d = self.shape
         g = self.group_size
-        pad = self._padding
+        pad = self.padding
         if self.axis == "tokens":
             if pad:
                 x = jnp.pad(x, [(0, pad), (0, 0), (0, 0)], constant_values=fill)
-            return x.reshape(-1, g, h, d)
+            return x.reshape(num_groups(t, g), g, h, d)
         if pad:
             x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)], constant_values=fill)
-        return x.reshape(t, h, -1, g)
+        return x.reshape(t, h, num_groups(d, g), g)
 
     def merge(self, xg: jnp.ndarray) -> jnp.ndarray:
         """Grouped view -> [T, H, D], dropping the padding of a partial last group."""
         t, h, d = self.shape
+        n = num_groups(t if self.axis == "tokens" else d, self.group_size) * self.group_size
         if self.axis == "tokens":
-            return xg.reshape(-1, h, d)[:t]
-        return xg.reshape(t, h, -1)[..., :d]
+            return xg.reshape(n, h, d)[:t]
+        return xg.reshape(t, h, n)[..., :d]
 
     def expand(self, meta: jnp.ndarray) -> jnp.ndarray:
         """Metadata [metadata_shape] -> broadcastable against the grouped view."""
@@ -81,7 +81,3 @@ class GroupLayout:
     def reduce(self, reducer, x: jnp.ndarray, fill) -> jnp.ndarray:
         """Apply `reducer(array, axis=...)` over each group of `x`, padding with `fill`."""
         return reducer(self.split(x, fill), axis=self.member_axis)
-
-    def valid_members(self) -> np.ndarray:
-        """Static boolean mask over the grouped view: True where a real element sits."""
-        return np.asarray(self.split(np.ones(self.shape, bool), False))

@@ -15,7 +15,7 @@ def pack_nibbles(codes: jnp.ndarray) -> jnp.ndarray:
     d = codes.shape[-1]
     if d % 2:
         codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, 1)])
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     low, high = pairs[..., 0], pairs[..., 1]
     return low | (high << 4)
 
@@ -24,5 +24,5 @@ def unpack_nibbles(packed: jnp.ndarray, channels: int) -> jnp.ndarray:
     """uint8 [..., ceil(D/2)] -> uint8 codes [..., D] with D = `channels`."""
     low = packed & 0x0F
     high = packed >> 4
-    codes = jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+    codes = jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
     return codes[..., :channels]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax._numerics import E4M3_MAX, flush_subnormal, widen
+from kvq_jax._numerics import E4M3_MAX, divide, flush_subnormal, widen
 from kvq_jax.codec import Codec, check_kind
 from kvq_jax.packed import PackedKV
 
@@ -41,9 +41,9 @@ class FP8E4M3Codec(Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         x = widen(values)
         finite = jnp.all(jnp.isfinite(x), axis=-1)
-        s = flush_subnormal(jnp.max(jnp.abs(x), axis=-1) / E4M3_MAX)
+        s = flush_subnormal(divide(jnp.max(jnp.abs(x), axis=-1), E4M3_MAX))
         ok = (finite & (s > 0))[..., None]
-        q = jnp.clip(x / jnp.where(ok, s[..., None], 1.0), -E4M3_MAX, E4M3_MAX)
+        q = jnp.clip(divide(x, jnp.where(ok, s[..., None], 1.0)), -E4M3_MAX, E4M3_MAX)
         codes = jnp.where(ok, q, 0.0).astype(jnp.float8_e4m3fn)
         scale = jnp.where(finite, s, jnp.float32(jnp.nan))
         return self._packed(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvq_jax import _grouping, _nibbles
-from kvq_jax._numerics import flush_subnormal, round_half_even, widen
+from kvq_jax._numerics import divide, flush_subnormal, round_half_even, widen
 from kvq_jax.codec import Codec
 from kvq_jax.packed import PackedKV
 
@@ -27,8 +27,8 @@ def quantize_groups(xg: jnp.ndarray, valid, member_axis: int):
     finite = jnp.isfinite(mn) & jnp.isfinite(mx)
     mn = jnp.where(mn == 0, jnp.float32(0.0), mn)  # a zero minimum is stored as +0.0
     span = flush_subnormal(mx - mn)
-    scale = jnp.where(span > 0, flush_subnormal(span / jnp.float32(15.0)), jnp.float32(1.0))
-    q = round_half_even(flush_subnormal(xg - mn) / scale)
+    scale = jnp.where(span > 0, flush_subnormal(divide(span, 15.0)), jnp.float32(1.0))
+    q = round_half_even(divide(flush_subnormal(xg - mn), scale))
     codes = jnp.where(q >= 0, jnp.minimum(q, 15.0), 0.0)  # NaN -> 0
     codes = jnp.where(finite, codes, 0.0).astype(jnp.uint8)
     minimum = jnp.where(finite, mn, jnp.nan).astype(jnp.float16)
@@ -60,7 +60,7 @@ class Int4Codec(Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
         xg = layout.split(widen(values), 0.0)
-        valid = layout.split(jnp.ones(values.shape, bool), False) if layout._padding else None
+        valid = layout.split(jnp.ones(values.shape, bool), False) if layout.padding else None
         codes_g, minimum, scale = quantize_groups(xg, valid, layout.member_axis)
         codes = _nibbles.pack_nibbles(layout.merge(codes_g))
         return self._packed(

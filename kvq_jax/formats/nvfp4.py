@@ -12,6 +12,7 @@ from kvq_jax._numerics import (
     E2M1_MAX,
     E4M3_MAX,
     F32_MAX,
+    divide,
     e2m1_decode,
     e2m1_encode,
     flush_subnormal,
@@ -30,7 +31,7 @@ ONE_SIXTH = np.float32(1.0 / 6.0)
 def global_scale(x: jnp.ndarray) -> jnp.ndarray:
     """float32 tensor -> float32 [] encode scale g (all-zero and tiny-tensor rules applied)."""
     amax = jnp.max(jnp.abs(x), initial=jnp.float32(0.0))
-    g = jnp.where(amax == 0, jnp.float32(1.0), GLOBAL_NUMERATOR / amax)
+    g = jnp.where(amax == 0, jnp.float32(1.0), divide(GLOBAL_NUMERATOR, amax))
     return jnp.where(jnp.isinf(g), F32_MAX, g)
 
 
@@ -40,12 +41,12 @@ def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, member_axis: int):
     s = flush_subnormal(g * flush_subnormal(vmax * ONE_SIXTH))
     s8 = jnp.minimum(s, E4M3_MAX).astype(jnp.float8_e4m3fn)
     sf = s8.astype(jnp.float32)
-    v = flush_subnormal(sf * flush_subnormal(jnp.float32(1.0) / g))
-    r = jnp.where(v == 0, jnp.float32(0.0), flush_subnormal(jnp.float32(1.0) / v))
+    v = flush_subnormal(sf * flush_subnormal(divide(1.0, g)))
+    r = jnp.where(v == 0, jnp.float32(0.0), flush_subnormal(divide(1.0, v)))
     y = flush_subnormal(xg * r)
     # Tiny-scale fallback: the reciprocal path underflowed although the block scale did not.
     fallback = (v == 0) & (sf > 0)
-    y_direct = flush_subnormal(flush_subnormal(xg * g) / jnp.where(fallback, sf, 1.0))
+    y_direct = flush_subnormal(divide(flush_subnormal(xg * g), jnp.where(fallback, sf, 1.0)))
     y = jnp.clip(jnp.where(fallback, y_direct, y), -E2M1_MAX, E2M1_MAX)
     codes = e2m1_encode(y, jnp.signbit(xg))
     return codes, jnp.squeeze(s8, member_axis)
@@ -97,7 +98,7 @@ class NVFP4Codec(Codec):
     def unpack(self, packed, dtype) -> jnp.ndarray:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
         codes = _nibbles.unpack_nibbles(packed.codes, packed.shape[2])
-        step = flush_subnormal(packed.block_scale.astype(jnp.float32) / packed.global_scale)
+        step = flush_subnormal(divide(packed.block_scale.astype(jnp.float32), packed.global_scale))
         out = flush_subnormal(e2m1_decode(layout.split(codes, 0)) * layout.expand(step))
         return layout.merge(out).astype(dtype)
 
