@@ -431,7 +431,7 @@ def test_errors_at_trace_time():
     for error, message, call in cases:
         with pytest.raises(error, match=message):
             call()
-    with pytest.raises(ValueError, match="Window.sink"):
+    with pytest.raises(ValueError, match=r"Window\.sink"):
         kq.Window(sink=-1)
 
 
