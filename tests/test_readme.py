@@ -1,0 +1,51 @@
+"""The README's promises: its test command is what CI runs, its quickstart runs as printed,
+and the main job prints its table."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def bash_blocks(text: str) -> list[str]:
+    return [b.strip() for b in re.findall(r"```bash\n(.*?)```", text, re.S)]
+
+
+def test_two_setup_commands_and_ci_runs_the_test_command():
+    blocks = bash_blocks(README)
+    assert len(blocks) == 2, blocks
+    main_job, tests = blocks
+    assert main_job.endswith("kvq demo")
+    assert "pytest" in tests
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert tests in ci, f"{tests!r} is not a line of .ci/run"
+
+
+def test_quickstart_runs_and_its_comments_are_true(capsys):
+    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    exec(compile(code, "README quickstart", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    expected = [
+        re.search(r"# (.*)$", line).group(1)
+        for line in code.splitlines()
+        if line.startswith("print(")
+    ]
+    assert printed == expected
+
+
+@pytest.mark.parametrize("argv", [["demo", "--repeats", "1"]])
+def test_main_job_prints_every_format(argv, capsys):
+    from kvq_jax import CODECS, cli
+
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in ([f] for f in CODECS)]
+    assert len(rows) == 2 * len(CODECS)
+    bits = {(r[0], r[1]): float(r[4]) for r in rows}
+    assert bits[("int4", "key")] == 4.5 and bits[("nvfp4", "value")] == 4.5
+    assert bits[("fp8_e4m3", "key")] == 8.25
