@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvq_jax._numerics import E4M3_MAX, divide, flush_subnormal, widen
-from kvq_jax.codec import Codec, check_kind
+from kvq_jax.codec import Codec, check_group_size, check_kind
 from kvq_jax.packed import PackedKV
 
 
@@ -24,7 +24,7 @@ class FP8E4M3Codec(Codec):
         d = shape[2]
         if axis not in (None, "channels"):
             raise ValueError(f"axis must be 'channels' (or None) for fp8_e4m3, got {axis!r}")
-        if group_size is not None and group_size != d:
+        if group_size is not None and check_group_size(group_size) != d:
             raise ValueError(
                 f"group_size must be D={d} (or None) for fp8_e4m3: one scale per "
                 f"(token, head), got {group_size}"

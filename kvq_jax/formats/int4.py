@@ -24,7 +24,8 @@ def quantize_groups(xg: jnp.ndarray, valid, member_axis: int):
     hi = xg if valid is None else jnp.where(valid, xg, -jnp.inf)
     mn = jnp.min(lo, axis=member_axis, keepdims=True)
     mx = jnp.max(hi, axis=member_axis, keepdims=True)
-    finite = jnp.isfinite(mn) & jnp.isfinite(mx)
+    # Tested element-wise: XLA:CPU min/max reductions do not reliably propagate NaN.
+    finite = jnp.all(jnp.isfinite(xg), axis=member_axis, keepdims=True)
     mn = jnp.where(mn == 0, jnp.float32(0.0), mn)  # a zero minimum is stored as +0.0
     span = flush_subnormal(mx - mn)
     scale = jnp.where(span > 0, flush_subnormal(divide(span, 15.0)), jnp.float32(1.0))
