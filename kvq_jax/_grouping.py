@@ -15,20 +15,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-AXES = ("tokens", "channels")
-
-
-def num_groups(length: int, group_size: int) -> int:
-    """ceil(length / group_size)."""
-    return -(-length // group_size)
-
-
-def metadata_shape(shape: tuple[int, int, int], axis: str, group_size: int) -> tuple[int, ...]:
-    """Shape of one metadata array (one entry per group) for values of `shape`."""
-    t, h, d = shape
-    if axis == "tokens":
-        return (num_groups(t, group_size), h, d)
-    return (t, h, num_groups(d, group_size))
+from kvq_jax.spec import metadata_shape, num_groups
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,11 +5,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def packed_width(channels: int) -> int:
-    """Bytes per row of `channels` 4-bit codes: ceil(channels / 2)."""
-    return (channels + 1) // 2
-
-
 def pack_nibbles(codes: jnp.ndarray) -> jnp.ndarray:
     """uint8 codes [..., D] (values 0..15) -> uint8 [..., ceil(D/2)]; odd D pads a 0 nibble."""
     d = codes.shape[-1]

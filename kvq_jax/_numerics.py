@@ -9,33 +9,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-#: Smallest positive normal float32, 2**-126. Anything smaller in magnitude is flushed.
-F32_MIN_NORMAL = np.float32(np.finfo(np.float32).tiny)
-#: Largest finite float32.
-F32_MAX = np.float32(np.finfo(np.float32).max)
-#: Largest finite float8_e4m3fn value.
-E4M3_MAX = np.float32(448.0)
-#: Largest E2M1 magnitude.
-E2M1_MAX = np.float32(6.0)
-
-# E2M1 magnitudes indexed by the 3-bit code, and the same with the sign bit (code | 8).
-E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-E2M1_VALUES = np.concatenate([E2M1_MAGNITUDES, -E2M1_MAGNITUDES]).astype(np.float32)
-
-# Midpoints between consecutive E2M1 magnitudes, and whether an exact tie rounds up (to the
-# even code above) or down (to the even code below).
-_E2M1_MIDPOINTS = (
-    (0.25, False),
-    (0.75, True),
-    (1.25, False),
-    (1.75, True),
-    (2.5, False),
-    (3.5, True),
-    (5.0, False),
-)
+from kvq_jax.spec import E2M1_MIDPOINTS, E2M1_VALUES, F32_MIN_NORMAL
 
 
 def flush_subnormal(x: jnp.ndarray) -> jnp.ndarray:
@@ -91,7 +67,7 @@ def e2m1_magnitude_code(magnitude: jnp.ndarray) -> jnp.ndarray:
     Arithmetic (comparisons against the midpoints), so it lowers on every backend. NaN gives 0.
     """
     code = jnp.zeros(magnitude.shape, jnp.uint8)
-    for midpoint, tie_rounds_up in _E2M1_MIDPOINTS:
+    for midpoint, tie_rounds_up in E2M1_MIDPOINTS:
         above = magnitude >= midpoint if tie_rounds_up else magnitude > midpoint
         code = code + above.astype(jnp.uint8)
     return code

@@ -14,15 +14,11 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax import _grouping
 from kvq_jax.packed import PackedKV
+from kvq_jax.spec import AXES, DEFAULT_AXIS, KINDS
 
-KINDS = ("key", "value")
 #: Input/output dtypes the codecs accept.
 FLOAT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-#: The grouping axis each kind uses unless told otherwise (KIVI: keys per channel over
-#: tokens, values per token over channels).
-DEFAULT_AXIS = {"key": "tokens", "value": "channels"}
 
 
 def check_float_dtype(dtype, name: str) -> np.dtype:
@@ -80,8 +76,8 @@ class Codec(abc.ABC):
         """Validate and default (axis, group_size) for values of `shape`; trace-time only."""
         check_kind(kind)
         axis = DEFAULT_AXIS[kind] if axis is None else axis
-        if axis not in _grouping.AXES:
-            raise ValueError(f"axis must be one of {_grouping.AXES} or None, got {axis!r}")
+        if axis not in AXES:
+            raise ValueError(f"axis must be one of {AXES} or None, got {axis!r}")
         group_size = self.default_group_size if group_size is None else group_size
         return axis, check_group_size(group_size)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax._numerics import E4M3_MAX, divide, flush_subnormal, widen
+from kvq_jax._numerics import divide, flush_subnormal, widen
 from kvq_jax.codec import Codec, check_group_size, check_kind
 from kvq_jax.packed import PackedKV
+from kvq_jax.spec import E4M3_MAX
 
 
 class FP8E4M3Codec(Codec):

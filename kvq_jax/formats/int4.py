@@ -9,10 +9,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax import _grouping, _nibbles
+from kvq_jax import _grouping, _nibbles, spec
 from kvq_jax._numerics import divide, flush_subnormal, round_half_even, widen
 from kvq_jax.codec import Codec
 from kvq_jax.packed import PackedKV
+from kvq_jax.spec import INT4_DEFAULT_GROUP_SIZE, INT4_LEVELS
 
 
 def quantize_groups(xg: jnp.ndarray, valid, member_axis: int):
@@ -28,7 +29,7 @@ def quantize_groups(xg: jnp.ndarray, valid, member_axis: int):
     finite = jnp.all(jnp.isfinite(xg), axis=member_axis, keepdims=True)
     mn = jnp.where(mn == 0, jnp.float32(0.0), mn)  # a zero minimum is stored as +0.0
     span = flush_subnormal(mx - mn)
-    scale = jnp.where(span > 0, flush_subnormal(divide(span, 15.0)), jnp.float32(1.0))
+    scale = jnp.where(span > 0, flush_subnormal(divide(span, INT4_LEVELS)), jnp.float32(1.0))
     q = round_half_even(divide(flush_subnormal(xg - mn), scale))
     codes = jnp.where(q >= 0, jnp.minimum(q, 15.0), 0.0)  # NaN -> 0
     codes = jnp.where(finite, codes, 0.0).astype(jnp.uint8)
@@ -47,13 +48,13 @@ def dequantize_groups(codes_g, minimum, scale, member_axis: int) -> jnp.ndarray:
 class Int4Codec(Codec):
     name = "int4"
     array_fields = ("codes", "minimum", "scale")
-    default_group_size = 64
+    default_group_size = INT4_DEFAULT_GROUP_SIZE
 
     def array_shapes(self, shape, axis, group_size):
         t, h, d = shape
-        meta = _grouping.metadata_shape(shape, axis, group_size)
+        meta = spec.metadata_shape(shape, axis, group_size)
         return {
-            "codes": ((t, h, _nibbles.packed_width(d)), np.dtype(np.uint8)),
+            "codes": ((t, h, spec.packed_width(d)), np.dtype(np.uint8)),
             "minimum": (meta, np.dtype(np.float16)),
             "scale": (meta, np.dtype(np.float16)),
         }

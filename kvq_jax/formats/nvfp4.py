@@ -7,11 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax import _grouping, _nibbles
+from kvq_jax import _grouping, _nibbles, spec
 from kvq_jax._numerics import (
-    E2M1_MAX,
-    E4M3_MAX,
-    F32_MAX,
     divide,
     e2m1_decode,
     e2m1_encode,
@@ -20,25 +17,29 @@ from kvq_jax._numerics import (
 )
 from kvq_jax.codec import Codec
 from kvq_jax.packed import PackedKV
+from kvq_jax.spec import (
+    E2M1_MAX,
+    E4M3_MAX,
+    F32_MAX,
+    NVFP4_GLOBAL_NUMERATOR,
+    NVFP4_GROUP_SIZE,
+    NVFP4_ONE_SIXTH,
+)
 
-GROUP_SIZE = 16
-#: 448 * 6: maps the tensor's amax onto the largest block scale times the largest E2M1 value.
-GLOBAL_NUMERATOR = np.float32(2688.0)
-#: float32 nearest to 1/6, as in vLLM's reference.
-ONE_SIXTH = np.float32(1.0 / 6.0)
+GROUP_SIZE = NVFP4_GROUP_SIZE
 
 
 def global_scale(x: jnp.ndarray) -> jnp.ndarray:
     """float32 tensor -> float32 [] encode scale g (all-zero and tiny-tensor rules applied)."""
     amax = jnp.max(jnp.abs(x), initial=jnp.float32(0.0))
-    g = jnp.where(amax == 0, jnp.float32(1.0), divide(GLOBAL_NUMERATOR, amax))
+    g = jnp.where(amax == 0, jnp.float32(1.0), divide(NVFP4_GLOBAL_NUMERATOR, amax))
     return jnp.where(jnp.isinf(g), F32_MAX, g)
 
 
 def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, member_axis: int):
     """Grouped float32 values (padding = 0) and g -> (4-bit codes like xg, e4m3 block scales)."""
     vmax = jnp.max(jnp.abs(xg), axis=member_axis, keepdims=True)
-    s = flush_subnormal(g * flush_subnormal(vmax * ONE_SIXTH))
+    s = flush_subnormal(g * flush_subnormal(vmax * NVFP4_ONE_SIXTH))
     s8 = jnp.minimum(s, E4M3_MAX).astype(jnp.float8_e4m3fn)
     sf = s8.astype(jnp.float32)
     v = flush_subnormal(sf * flush_subnormal(divide(1.0, g)))
@@ -66,9 +67,9 @@ class NVFP4Codec(Codec):
     def array_shapes(self, shape, axis, group_size):
         t, h, d = shape
         return {
-            "codes": ((t, h, _nibbles.packed_width(d)), np.dtype(np.uint8)),
+            "codes": ((t, h, spec.packed_width(d)), np.dtype(np.uint8)),
             "block_scale": (
-                _grouping.metadata_shape(shape, axis, group_size),
+                spec.metadata_shape(shape, axis, group_size),
                 np.dtype(jnp.float8_e4m3fn),
             ),
             "global_scale": ((), np.dtype(np.float32)),
