@@ -11,7 +11,7 @@ from kvq_jax.api import pack_kv, unpack_kv
 from kvq_jax.codec import DEFAULT_AXIS, KINDS, Codec
 from kvq_jax.loops import LoopCode, decode_loop, decode_loops, encode_loops
 from kvq_jax.packed import PackedKV
-from kvq_jax.registry import CODECS, get_codec, register_codec
+from kvq_jax.registry import CODECS, get_codec, register_codec, unregister_codec
 from kvq_jax.residual import KVResidual, decode_residual, encode_residual, validate_positions
 from kvq_jax.window import Window, WindowedKV
 
@@ -34,6 +34,7 @@ __all__ = [
     "pack_kv",
     "register_codec",
     "unpack_kv",
+    "unregister_codec",
     "validate_positions",
 ]
 __version__ = "0.1.0"

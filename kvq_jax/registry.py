@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from kvq_jax.codec import Codec
 from kvq_jax.formats import fp8_e4m3, int4, nvfp4
 
@@ -14,8 +16,26 @@ def register_codec(codec: Codec, *, replace: bool = False) -> Codec:
         raise TypeError(f"codec must be a kvq_jax.Codec, got {type(codec).__name__}")
     if codec.name in CODECS and not replace:
         raise ValueError(f"format {codec.name!r} is already registered (pass replace=True)")
+    replacing = codec.name in CODECS
     CODECS[codec.name] = codec
+    if replacing:
+        _forget_compiled()
     return codec
+
+
+def unregister_codec(format: str) -> Codec:
+    """Remove and return the codec registered as `format`."""
+    codec = get_codec(format)
+    del CODECS[format]
+    _forget_compiled()
+    return codec
+
+
+def _forget_compiled() -> None:
+    # The jitted entry points take the format *name* as a static argument and look the codec
+    # up while tracing: a replaced or removed codec must not keep running from a compiled
+    # cache, so every cache is dropped (a rare, administrative operation).
+    jax.clear_caches()
 
 
 def get_codec(format: str) -> Codec:
