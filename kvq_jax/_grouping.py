@@ -64,7 +64,3 @@ class GroupLayout:
     def expand(self, meta: jnp.ndarray) -> jnp.ndarray:
         """Metadata [metadata_shape] -> broadcastable against the grouped view."""
         return jnp.expand_dims(meta, self.member_axis)
-
-    def reduce(self, reducer, x: jnp.ndarray, fill) -> jnp.ndarray:
-        """Apply `reducer(array, axis=...)` over each group of `x`, padding with `fill`."""
-        return reducer(self.split(x, fill), axis=self.member_axis)
