@@ -1,0 +1,142 @@
+"""The conformance cases: small named inputs covering every format, axis, dtype and edge case.
+
+Plain numpy only (no JAX): each case is (name, values, format, kind, axis, group_size).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = (BF16, np.dtype(np.float16), np.dtype(np.float32))
+F32 = np.float32
+
+
+def _kv_like(rng, shape, dtype):
+    _, h, d = shape
+    x = rng.standard_normal(shape).astype(F32) + 2.0 * rng.standard_normal((1, h, d)).astype(F32)
+    return x.astype(dtype)
+
+
+def _int4_ties() -> np.ndarray:
+    """One token group per channel whose (x - mn) / scale hits k + 0.5 exactly: min 0, max 15,
+    so scale = 1 and x = k + 0.5 is a tie for every k."""
+    col = np.array([0.0, 15.0] + [k + 0.5 for k in range(14)], F32)
+    return np.stack([col, col * 2.0, col * 0.25], axis=-1)[:, None, :]  # [16, 1, 3]
+
+
+def _e2m1_midpoints() -> np.ndarray:
+    """NVFP4 value rows (channels axis) whose scaled values land on every E2M1 midpoint and on
+    its float32 neighbours: a block with max 6 and amax 6 gives g = 448, s = 448, r = 1."""
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], F32)
+    vals = np.concatenate([mids, np.nextafter(mids, F32(0)), np.nextafter(mids, F32(7))])
+    vals = np.concatenate([vals, -vals, [F32(0.0), F32(-0.0)]]).astype(F32)
+    rows = []
+    for start in range(0, len(vals), 15):
+        chunk = vals[start : start + 15]
+        row = np.zeros(16, F32)
+        row[0] = 6.0
+        row[1 : 1 + len(chunk)] = chunk
+        rows.append(row)
+    return np.stack(rows)[:, None, :]  # [R, 1, 16]
+
+
+def _e4m3_scale_midpoints() -> np.ndarray:
+    """NVFP4 blocks whose block scale s = g * (vmax / 6) falls between E4M3 values."""
+    amax = F32(6.0)  # g = 448
+    vmaxes = np.array([6 * m / 448 for m in (0.0029296875, 0.013671875, 1.0625, 17.0, 208.0)], F32)
+    vmaxes = np.concatenate([vmaxes, np.nextafter(vmaxes, F32(0)), np.nextafter(vmaxes, F32(1))])
+    rows = [np.r_[amax, np.zeros(15, F32)]]
+    for v in vmaxes:
+        row = np.linspace(-v, v, 16).astype(F32)
+        row[3] = v
+        rows.append(row)
+    return np.stack(rows)[:, None, :]
+
+
+def _special(rng) -> dict[str, np.ndarray]:
+    z = np.zeros((5, 2, 6), F32)
+    neg_zero = z.copy()
+    neg_zero[1::2] = -0.0
+    tiny = np.array([1e-30, -1e-36, 2.0**-126, -(2.0**-126) * 1.5, 2.0**-127, 3e-39], F32)
+    tiny_rows = np.stack([tiny, tiny * 1e-3, -tiny])[:, None, :]
+    huge = np.array([6.0e4, 6.5e4, -7.0e4, 1.0e30, -3.0e38, 3.4e38], F32)
+    nan_inf = rng.standard_normal((8, 2, 16)).astype(F32)
+    nan_inf[3, 1, 5] = np.nan
+    nan_inf[6, 0, 2] = np.inf
+    zero_span = np.broadcast_to(F32(1.5), (9, 2, 5)).copy()
+    return {
+        "all_zero": z,
+        "signed_zeros": neg_zero,
+        "tiny": tiny_rows,
+        "huge": np.stack([huge, huge / 7])[:, None, :],
+        "nan_inf": nan_inf,
+        "zero_span": zero_span,
+        "tiny_tensor": (rng.standard_normal((4, 1, 16)) * 1e-37).astype(F32),
+    }
+
+
+def build_cases() -> list[dict]:
+    """Every case as a dict: name, values (numpy), format, kind, axis, group_size."""
+    rng = np.random.default_rng(20261129)
+    cases = []
+
+    def add(name, values, fmt, kind, axis=None, group_size=None):
+        cases.append(
+            dict(
+                name=name,
+                values=np.array(values, order="C"),
+                format=fmt,
+                kind=kind,
+                axis=axis,
+                group_size=group_size,
+            )
+        )
+
+    shapes = {"T1": (1, 2, 8), "oddD": (19, 2, 7), "partial": (37, 3, 20), "D1": (6, 1, 1)}
+    for dtype in DTYPES:
+        dn = {BF16: "bf16"}.get(dtype, str(dtype).replace("float", "fp"))
+        for sname, shape in shapes.items():
+            x = _kv_like(rng, shape, dtype)
+            for kind in ("key", "value"):
+                add(f"{sname}/{dn}/int4/{kind}", x, "int4", kind, group_size=16)
+                add(f"{sname}/{dn}/nvfp4/{kind}", x, "nvfp4", kind)
+                add(f"{sname}/{dn}/fp8/{kind}", x, "fp8_e4m3", kind)
+        add(f"empty/{dn}/int4", np.zeros((0, 2, 8), dtype), "int4", "key")
+        add(f"empty/{dn}/nvfp4", np.zeros((0, 2, 8), dtype), "nvfp4", "value")
+        add(f"empty/{dn}/fp8", np.zeros((0, 2, 8), dtype), "fp8_e4m3", "key")
+    x = _kv_like(rng, (70, 2, 24), BF16)
+    for g in (1, 3, 7, 32, 64, 128):
+        add(f"int4_group/{g}/tokens", x, "int4", "key", group_size=g)
+        add(f"int4_group/{g}/channels", x, "int4", "value", group_size=g)
+    add("override/int4/key_channels", x, "int4", "key", axis="channels", group_size=8)
+    add("override/nvfp4/value_tokens", x, "nvfp4", "value", axis="tokens")
+    add("ties/int4", _int4_ties(), "int4", "key", group_size=16)
+    add("ties/e2m1_midpoints", _e2m1_midpoints(), "nvfp4", "value")
+    add("ties/e4m3_scales", _e4m3_scale_midpoints(), "nvfp4", "value")
+    add("ties/fp8_e4m3", _e2m1_midpoints() * F32(74.0), "fp8_e4m3", "value")
+    for name, values in _special(rng).items():
+        for fmt in ("int4", "nvfp4", "fp8_e4m3"):
+            add(
+                f"special/{name}/{fmt}/key",
+                values,
+                fmt,
+                "key",
+                group_size=4 if fmt == "int4" else None,
+            )
+            add(
+                f"special/{name}/{fmt}/value",
+                values.astype(BF16),
+                fmt,
+                "value",
+                group_size=4 if fmt == "int4" else None,
+            )
+    add(
+        "shape/fp32/int4/g5",
+        _kv_like(rng, (12, 5, 4), np.dtype(np.float32)),
+        "int4",
+        "key",
+        group_size=5,
+    )
+    return cases

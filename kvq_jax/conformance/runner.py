@@ -1,0 +1,128 @@
+"""Check any `pack_kv`-shaped implementation against the conformance vectors.
+
+    results = check_pack(my_pack_kv, unpack_fn=my_unpack_kv, input_kind="torch")
+    print(format_report(results))
+
+`pack_fn(values, *, kind, format, group_size, axis)` may return an object with the array
+fields as attributes (kvq's PackedKV) or a dict of them; arrays may be numpy, JAX or torch
+(CPU or CUDA). Arrays are compared as raw bytes; decoded values too, except that a NaN
+expected anywhere only has to be a NaN (decoded NaN payloads depend on the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections import defaultdict
+
+import ml_dtypes
+import numpy as np
+
+from kvq_jax.conformance.vectors import Case, load_vectors
+
+INPUT_KINDS = ("numpy", "jax", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    name: str
+    format: str
+    passed: bool
+    detail: str = ""
+
+
+def to_numpy(x) -> np.ndarray:
+    """numpy / JAX / torch array -> numpy array with the same dtype and bytes."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch, without importing it
+        t = x.detach().cpu().contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        special = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+        if name in special:
+            import torch
+
+            return t.view(torch.uint8).numpy().view(special[name]).reshape(tuple(t.shape))
+        return t.numpy()
+    return np.asarray(x)
+
+
+def _convert_input(values: np.ndarray, input_kind: str):
+    if input_kind == "numpy":
+        return values
+    if input_kind == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(values)
+    import torch
+
+    raw = torch.from_numpy(np.ascontiguousarray(values).view(np.uint8).copy())
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+        values.dtype.name
+    ]
+    return raw.view(dtype).reshape(values.shape)
+
+
+def _first_difference(actual: np.ndarray, expected: np.ndarray, nan_ok: bool) -> str | None:
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return (
+            f"got {actual.dtype}{list(actual.shape)}, expected {expected.dtype}"
+            f"{list(expected.shape)}"
+        )
+    if expected.size == 0:
+        return None
+    a = np.ascontiguousarray(actual).reshape(-1)
+    e = np.ascontiguousarray(expected).reshape(-1)
+    width = e.dtype.itemsize
+    same = (a.view(np.uint8).reshape(-1, width) == e.view(np.uint8).reshape(-1, width)).all(1)
+    if nan_ok:
+        e_nan = np.isnan(e.astype(np.float32))
+        same |= e_nan & np.isnan(a.astype(np.float32))
+    if same.all():
+        return None
+    i = int(np.flatnonzero(~same)[0])
+    idx = tuple(int(v) for v in np.unravel_index(i, expected.shape))
+    return f"{int((~same).sum())} elements differ, first at {idx}: got {a[i]!r}, expected {e[i]!r}"
+
+
+def check_case(case: Case, pack_fn, unpack_fn=None, input_kind: str = "numpy") -> CaseResult:
+    try:
+        packed = pack_fn(_convert_input(case.values, input_kind), **case.pack_args)
+        for field, expected in case.arrays.items():
+            got = packed[field] if isinstance(packed, dict) else getattr(packed, field, None)
+            if got is None:
+                return CaseResult(case.name, case.format, False, f"no field {field!r}")
+            diff = _first_difference(to_numpy(got), expected, nan_ok=False)
+            if diff:
+                return CaseResult(case.name, case.format, False, f"{field}: {diff}")
+        if unpack_fn is not None:
+            diff = _first_difference(to_numpy(unpack_fn(packed)), case.decoded, nan_ok=True)
+            if diff:
+                return CaseResult(case.name, case.format, False, f"decoded: {diff}")
+    except Exception as e:  # an implementation's failure is a result
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        return CaseResult(case.name, case.format, False, f"raised {last}")
+    return CaseResult(case.name, case.format, True)
+
+
+def check_pack(
+    pack_fn, *, unpack_fn=None, input_kind: str = "numpy", cases: list[Case] | None = None
+) -> list[CaseResult]:
+    """Run every vector (default: the shipped file) through `pack_fn` (and `unpack_fn`)."""
+    if input_kind not in INPUT_KINDS:
+        raise ValueError(f"input_kind must be one of {INPUT_KINDS}, got {input_kind!r}")
+    cases = load_vectors() if cases is None else cases
+    return [check_case(c, pack_fn, unpack_fn, input_kind) for c in cases]
+
+
+def format_report(results: list[CaseResult]) -> str:
+    """A pass/fail table by case family and format, then every failure."""
+    table: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for r in results:
+        table[(r.name.split("/")[0], r.format)][0 if r.passed else 1] += 1
+    lines = [f"{'family':<12} {'format':<9} {'pass':>5} {'fail':>5}", "-" * 34]
+    for (family, fmt), (ok, bad) in sorted(table.items()):
+        lines.append(f"{family:<12} {fmt:<9} {ok:>5} {bad:>5}" + ("   FAIL" if bad else ""))
+    passed = sum(r.passed for r in results)
+    lines.append("-" * 34)
+    lines.append(f"{passed} passed, {len(results) - passed} failed")
+    lines += [f"FAIL {r.name} [{r.format}]: {r.detail}" for r in results if not r.passed]
+    return "\n".join(lines)
