@@ -1,0 +1,107 @@
+"""The shared conformance vectors: in sync with the oracle, passed by kvq_jax, and able to
+catch a wrong implementation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_same_bytes
+
+import kvq_jax
+from kvq_jax import cli
+from kvq_jax.conformance import check_pack, load_vectors
+from kvq_jax.conformance.generate import generate
+
+CASES = load_vectors()
+
+
+def test_shipped_vectors_equal_a_fresh_oracle_run():
+    fresh = generate()
+    assert [c.name for c in fresh] == [c.name for c in CASES]
+    for new, old in zip(fresh, CASES, strict=True):
+        assert (new.format, new.kind, new.axis, new.group_size) == (
+            old.format,
+            old.kind,
+            old.axis,
+            old.group_size,
+        )
+        assert_same_bytes(new.values, old.values, f"{old.name} input")
+        assert set(new.arrays) == set(old.arrays)
+        for field in old.arrays:
+            assert_same_bytes(new.arrays[field], old.arrays[field], f"{old.name}.{field}")
+        assert_same_bytes(new.decoded, old.decoded, f"{old.name} decoded")
+
+
+def test_vectors_cover_formats_dtypes_and_edge_cases():
+    assert {c.format for c in CASES} == set(kvq_jax.CODECS)
+    assert {c.values.dtype.name for c in CASES} == {"bfloat16", "float16", "float32"}
+    assert {(c.format, c.axis) for c in CASES} >= {
+        ("int4", "tokens"),
+        ("int4", "channels"),
+        ("nvfp4", "tokens"),
+        ("nvfp4", "channels"),
+    }
+    assert any(c.values.shape[0] == 0 for c in CASES)
+    assert any(c.values.shape[0] == 1 for c in CASES)
+    assert any(c.values.shape[2] % 2 for c in CASES)
+    assert any(np.isnan(c.values.astype(np.float32)).any() for c in CASES)
+    # the tie cases really sit on ties
+    ties = {c.name: c for c in CASES}
+    x = ties["ties/int4"].values.astype(np.float64)
+    q = (x - x.min(axis=0)) / ((x.max(axis=0) - x.min(axis=0)) / 15)
+    assert np.sum(q % 1 == 0.5) >= 28
+    mids = ties["ties/e2m1_midpoints"].values
+    for m in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0):
+        assert (mids == m).any() and (mids == -m).any(), m
+
+
+@pytest.mark.parametrize("input_kind", ["numpy", "jax"])
+def test_kvq_jax_passes_every_vector(input_kind):
+    results = check_pack(
+        kvq_jax.pack_kv, unpack_fn=kvq_jax.unpack_kv, input_kind=input_kind, cases=CASES
+    )
+    failed = [f"{r.name}: {r.detail}" for r in results if not r.passed]
+    assert not failed, failed[:5]
+    assert len(results) == len(CASES) >= 100
+
+
+def off_by_one_code(values, **kwargs):
+    """An implementation with one wrong nibble per NVFP4 tensor: must be caught."""
+    packed = kvq_jax.pack_kv(values, **kwargs)
+    if kwargs["format"] != "nvfp4" or packed.codes.size == 0:
+        return packed
+    arrays = dict(packed.arrays)
+    arrays["codes"] = packed.codes.at[(0,) * packed.codes.ndim].add(1)
+    return kvq_jax.PackedKV(
+        **arrays,
+        format=packed.format,
+        kind=packed.kind,
+        axis=packed.axis,
+        group_size=packed.group_size,
+        shape=packed.shape,
+        dtype=packed.dtype,
+    )
+
+
+def raises(values, **kwargs):
+    raise NotImplementedError("no kernel for this shape")
+
+
+def test_a_wrong_implementation_fails_exactly_where_it_is_wrong():
+    results = check_pack(off_by_one_code, cases=CASES)
+    failed = {r.name for r in results if not r.passed}
+    nonempty_nvfp4 = {c.name for c in CASES if c.format == "nvfp4" and c.values.size}
+    assert failed == nonempty_nvfp4
+    assert all("codes" in r.detail for r in results if not r.passed)
+    assert all("raised NotImplementedError" in r.detail for r in check_pack(raises, cases=CASES))
+
+
+def test_cli_reports_pass_and_fail(capsys):
+    assert cli.main(["conformance", "--unpack", "kvq_jax:unpack_kv"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(CASES)} passed, 0 failed" in out
+    assert cli.main(["conformance", "test_conformance:off_by_one_code"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL ties/e2m1_midpoints [nvfp4]: codes:" in out
+    with pytest.raises(SystemExit, match="MODULE:FUNCTION"):
+        cli.main(["conformance", "kvq_jax.pack_kv"])
