@@ -27,6 +27,27 @@ def assert_same_bytes(actual, expected, what: str = "array") -> None:
         )
 
 
+def assert_same_values(actual, expected, what: str = "values") -> None:
+    """Decoded values: same dtype, shape and bytes, except that a NaN matches any NaN.
+
+    A decoded NaN's sign and payload come from the device's arithmetic (docs/ORACLE.md), so
+    NaN positions must agree but their bits need not. Compare stored arrays (whose NaNs are
+    canonical) with `assert_same_bytes` instead.
+    """
+    a, e = np.asarray(actual), np.asarray(expected)
+    assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    a_nan, e_nan = np.isnan(a.astype(np.float32)), np.isnan(e.astype(np.float32))
+    if not np.array_equal(a_nan, e_nan):
+        index = tuple(int(i) for i in np.argwhere(a_nan != e_nan)[0])
+        raise AssertionError(
+            f"{what}: NaN positions differ first at {index}: {a[index]!r} != {e[index]!r} "
+            f"({int(np.sum(a_nan != e_nan))} elements differ)"
+        )
+    zero = np.zeros((), a.dtype)
+    assert_same_bytes(np.where(a_nan, zero, a), np.where(e_nan, zero, e), what)
+
+
 def assert_packed_equal(actual, expected_arrays: dict, what: str = "packed") -> None:
     """A PackedKV's arrays equal `expected_arrays` (e.g. an OraclePacked's .arrays) bytewise."""
     assert set(actual.arrays) == set(expected_arrays), (
@@ -45,3 +66,34 @@ def assert_trees_same_bytes(a, b, what: str = "tree") -> None:
     assert ta == tb, f"{what}: tree structure differs:\n{ta}\n{tb}"
     for i, (x, y) in enumerate(zip(la, lb, strict=True)):
         assert_same_bytes(x, y, f"{what} leaf {i}")
+
+
+def torch_to_numpy(tensor) -> np.ndarray:
+    """A torch tensor (any device, any layout) -> numpy array of the same dtype and bytes.
+
+    numpy has no bfloat16 / float8: the tensor is viewed as unsigned integers of its width,
+    copied to the host and viewed back as the ml_dtypes type (np.dtype(ml_dtypes.bfloat16),
+    np.dtype(ml_dtypes.float8_e4m3fn), ...).
+    """
+    import torch
+
+    from kvq_torch_bridge._dtypes import NUMPY_DTYPE
+
+    dtype = NUMPY_DTYPE[tensor.dtype]
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    raw = tensor.detach().cpu().contiguous()
+    if tensor.dtype != torch.bool:
+        raw = raw.view(bits[tensor.element_size()])
+    return raw.numpy().view(dtype)
+
+
+def numpy_to_torch(array, device="cpu"):
+    """A numpy array (ml_dtypes bfloat16 / float8 included) -> torch tensor with its bytes."""
+    import torch
+
+    from kvq_torch_bridge._dtypes import TORCH_DTYPE
+
+    a = np.ascontiguousarray(np.asarray(array))
+    bits = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+    raw = a if a.dtype == np.bool_ else a.view(bits[a.dtype.itemsize])
+    return torch.from_numpy(raw.copy()).view(TORCH_DTYPE[a.dtype]).to(device)
