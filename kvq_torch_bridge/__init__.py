@@ -1,8 +1,66 @@
 """kvq's Torch stack: a Torch codec with kvq_jax's API and bytes, and a zero-copy DLPack bridge.
 
-The Torch codec and the bridge land with their own issue; until then this package only names
-the vLLM `kv_cache_dtype` strings that map onto the kvq format registry.
+    packed = kvq_torch_bridge.pack_kv(values, kind="key", format="nvfp4")   # torch tensors
+    values_hat = kvq_torch_bridge.unpack_kv(packed)
+    jax_packed = kvq_torch_bridge.from_torch(packed)      # shares every buffer with JAX
+    torch_packed = kvq_torch_bridge.to_torch(jax_packed)
+
+The Torch codec is the PyTorch fallback for GPUs without a Pallas path (CPU and CUDA tensors,
+vectorized). It produces the same bytes as kvq_jax and the scalar oracle for every format,
+checked on the shared conformance vectors (`kvq conformance kvq_torch_bridge:pack_kv
+--input torch`).
 """
 
-#: vLLM `kv_cache_dtype` value -> kvq format name (one place for the mapping).
+from kvq_jax.spec import DEFAULT_AXIS, KINDS
+from kvq_jax.window import Window
+from kvq_torch_bridge.api import pack_kv, unpack_kv
+from kvq_torch_bridge.bridge import CopyWarning, from_torch, jax_to_torch, to_torch, torch_to_jax
+from kvq_torch_bridge.codec import Codec
+from kvq_torch_bridge.loops import LoopCode, decode_loop, decode_loops, encode_loops
+from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
+from kvq_torch_bridge.registry import CODECS, get_codec, register_codec, unregister_codec
+from kvq_torch_bridge.residual import decode_residual, encode_residual, validate_positions
+
+#: vLLM `kv_cache_dtype` string -> kvq format name: the one place the names are mapped.
 KV_CACHE_DTYPES = {"int4": "int4", "nvfp4": "nvfp4", "fp8_e4m3": "fp8_e4m3"}
+
+
+def format_for_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """The kvq format for a vLLM `--kv-cache-dtype` value ("int4", "nvfp4", "fp8_e4m3")."""
+    try:
+        return KV_CACHE_DTYPES[kv_cache_dtype]
+    except KeyError:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        ) from None
+
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_AXIS",
+    "KINDS",
+    "KV_CACHE_DTYPES",
+    "Codec",
+    "CopyWarning",
+    "KVResidual",
+    "LoopCode",
+    "PackedKV",
+    "Window",
+    "WindowedKV",
+    "decode_loop",
+    "decode_loops",
+    "decode_residual",
+    "encode_loops",
+    "encode_residual",
+    "format_for_kv_cache_dtype",
+    "from_torch",
+    "get_codec",
+    "jax_to_torch",
+    "pack_kv",
+    "register_codec",
+    "to_torch",
+    "torch_to_jax",
+    "unpack_kv",
+    "unregister_codec",
+    "validate_positions",
+]

@@ -1,0 +1,162 @@
+"""Loop stacks in torch (mirrors kvq_jax.loops, same bytes): loop 0 packed whole (the base),
+loop l >= 1 a `KVResidual` against the reconstruction of loop l - 1, 0-based loops.
+
+Torch runs the loops as a plain Python loop (kvq_jax uses `lax.scan` for dense stacks); the
+bytes are the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from kvq_jax.loops import _residual_group_size, _resolve_positions
+from kvq_jax.window import Window, check_window
+from kvq_torch_bridge.api import pack_kv, unpack_kv
+from kvq_torch_bridge.codec import check_float_dtype
+from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
+from kvq_torch_bridge.registry import get_codec
+from kvq_torch_bridge.residual import decode_residual, encode_residual
+
+__all__ = ["LoopCode", "decode_loop", "decode_loops", "encode_loops"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopCode:
+    """A packed loop stack: `base` (loop 0) and one `KVResidual` per later loop."""
+
+    base: PackedKV | WindowedKV
+    residuals: tuple[KVResidual, ...]
+
+    @property
+    def num_loops(self) -> int:
+        return 1 + len(self.residuals)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(T, H, D) of one loop."""
+        return self.base.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.base.dtype
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self.base.torch_dtype
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of every array held, over all loops (positions and window rows included)."""
+        return self.base.storage_bytes + sum(r.storage_bytes for r in self.residuals)
+
+    @property
+    def num_elements(self) -> int:
+        return self.base.num_elements * self.num_loops
+
+    @property
+    def bits_per_element(self) -> float:
+        n = self.num_elements
+        return self.storage_bytes * 8 / n if n else float("nan")
+
+
+pytree.register_pytree_node(
+    LoopCode,
+    lambda code: ([code.base, code.residuals], None),
+    lambda children, _: LoopCode(base=children[0], residuals=tuple(children[1])),
+    serialized_type_name=f"{LoopCode.__module__}.LoopCode",
+    flatten_with_keys_fn=lambda code: (
+        [(pytree.GetAttrKey("base"), code.base), (pytree.GetAttrKey("residuals"), code.residuals)],
+        None,
+    ),
+)
+
+
+@torch.no_grad()
+def encode_loops(
+    loops: torch.Tensor,
+    *,
+    kind: str,
+    base_format: str = "int4",
+    residual_format: str | None = None,
+    group_size: int | None = None,
+    residual_group_size: int | None = None,
+    axis: str | None = None,
+    positions=None,
+    window: Window | None = None,
+) -> LoopCode:
+    """Pack a loop stack `loops` [L, T, H, D] (L >= 1) as a base plus L - 1 residuals.
+
+    Arguments as for `kvq_jax.encode_loops`; `positions` entries are None or int32 [N_l]
+    torch tensors / numpy arrays.
+    """
+    if not isinstance(loops, torch.Tensor):
+        raise TypeError(f"loops must be a torch.Tensor, got {type(loops).__name__}")
+    if loops.ndim != 4:
+        raise ValueError(f"loops must have rank 4 [L, T, H, D], got shape {tuple(loops.shape)}")
+    if loops.shape[0] < 1:
+        raise ValueError("loops must hold at least one loop (L >= 1)")
+    check_float_dtype(loops.dtype, "loops.dtype")
+    residual_format = base_format if residual_format is None else residual_format
+    get_codec(base_format), get_codec(residual_format)
+    window = check_window(window)
+    r_group = _residual_group_size(base_format, residual_format, group_size, residual_group_size)
+    positions = _resolve_positions(positions, loops.shape[0] - 1)
+
+    base = pack_kv(
+        loops[0], kind=kind, format=base_format, group_size=group_size, axis=axis, window=window
+    )
+    recon = unpack_kv(base)
+    residuals = []
+    for current, pos in zip(loops[1:], positions, strict=True):
+        if pos is not None and not isinstance(pos, torch.Tensor):
+            pos = torch.from_numpy(np.array(pos, copy=True)).to(loops.device)
+        rows = current if pos is None else current[pos]
+        residual = encode_residual(
+            rows,
+            recon,
+            kind=kind,
+            format=residual_format,
+            group_size=r_group,
+            axis=axis,
+            positions=pos,
+            window=window,
+        )
+        recon = decode_residual(residual, recon)
+        residuals.append(residual)
+    return LoopCode(base=base, residuals=tuple(residuals))
+
+
+def _check_code(code):
+    if not isinstance(code, LoopCode):
+        raise TypeError(f"code must be a LoopCode, got {type(code).__name__}")
+
+
+@torch.no_grad()
+def decode_loops(code: LoopCode) -> torch.Tensor:
+    """Every loop reconstructed: [L, T, H, D] in the input dtype."""
+    _check_code(code)
+    recon = unpack_kv(code.base)
+    out = [recon]
+    for residual in code.residuals:
+        recon = decode_residual(residual, recon)
+        out.append(recon)
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def decode_loop(code: LoopCode, *, loop: int) -> torch.Tensor:
+    """Loop `loop` (0-based) reconstructed, [T, H, D], carrying one running reconstruction
+    through the residuals instead of materializing every loop."""
+    _check_code(code)
+    if isinstance(loop, bool) or not isinstance(loop, int | np.integer):
+        raise TypeError(f"loop must be an int, got {type(loop).__name__}")
+    if not 0 <= loop < code.num_loops:
+        raise ValueError(f"loop must be in [0, {code.num_loops}), got {loop}")
+    recon = unpack_kv(code.base)
+    for residual in code.residuals[:loop]:
+        recon = decode_residual(residual, recon)
+    return recon
