@@ -21,7 +21,13 @@ from kvq_jax.api import pack_kv, unpack_kv
 from kvq_jax.codec import check_float_dtype
 from kvq_jax.packed import PackedKV
 from kvq_jax.registry import get_codec
-from kvq_jax.residual import KVResidual, decode_residual, encode_residual
+from kvq_jax.residual import (
+    KVResidual,
+    check_positions_dtype,
+    decode_residual,
+    encode_residual,
+    gather_rows,
+)
 from kvq_jax.window import Window, WindowedKV, check_window
 
 
@@ -64,6 +70,7 @@ jax.tree_util.register_dataclass(LoopCode, data_fields=["base", "residuals"], me
 
 
 def _resolve_positions(positions, num_residuals: int) -> tuple:
+    """One entry (None or int32 [N]) per later loop."""
     if positions is None:
         return (None,) * num_residuals
     if not isinstance(positions, Sequence) or isinstance(positions, str):
@@ -86,18 +93,6 @@ def _residual_group_size(base_format, residual_format, group_size, residual_grou
     return None  # a different format: its own default
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "kind",
-        "base_format",
-        "residual_format",
-        "group_size",
-        "residual_group_size",
-        "axis",
-        "window",
-    ),
-)
 def encode_loops(
     loops,
     *,
@@ -122,6 +117,47 @@ def encode_loops(
         (dense) or int32 [N_l] rows of that loop (see `validate_positions`).
       window: raw window rows for the base and every residual.
     """
+    if positions is not None and isinstance(positions, Sequence) and not isinstance(positions, str):
+        for i, p in enumerate(positions):
+            check_positions_dtype(p, f"positions[{i}]")
+    return _encode_loops(
+        loops,
+        kind=kind,
+        base_format=base_format,
+        residual_format=residual_format,
+        group_size=group_size,
+        residual_group_size=residual_group_size,
+        axis=axis,
+        positions=positions,
+        window=window,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "kind",
+        "base_format",
+        "residual_format",
+        "group_size",
+        "residual_group_size",
+        "axis",
+        "window",
+    ),
+)
+def _encode_loops(
+    loops,
+    *,
+    kind: str,
+    base_format: str = "int4",
+    residual_format: str | None = None,
+    group_size: int | None = None,
+    residual_group_size: int | None = None,
+    axis: str | None = None,
+    positions=None,
+    window: Window | None = None,
+) -> LoopCode:
+    """Jitted body of `encode_loops` (position dtypes already checked)."""
     loops = jnp.asarray(loops)
     if loops.ndim != 4:
         raise ValueError(f"loops must have rank 4 [L, T, H, D], got shape {loops.shape}")
@@ -161,7 +197,7 @@ def encode_loops(
 
     residuals = []
     for current, pos in zip(loops[1:], positions, strict=True):
-        rows = current if pos is None else current[jnp.asarray(pos)]
+        rows = current if pos is None else gather_rows(current, jnp.asarray(pos))
         residual = encode(rows, recon, positions=pos)
         recon = decode_residual(residual, recon)
         residuals.append(residual)

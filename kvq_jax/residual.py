@@ -81,6 +81,24 @@ jax.tree_util.register_dataclass(
 )
 
 
+def check_positions_dtype(positions, name: str = "positions") -> None:
+    """Raise TypeError unless `positions` is None or an int32 array (checked before jit, which
+    would otherwise turn int64 numpy input into int32 silently)."""
+    if positions is None:
+        return
+    dtype = getattr(positions, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"{name} must be an int32 array, got {type(positions).__name__}")
+    if np.dtype(dtype) != np.int32:
+        raise TypeError(f"{name} must have dtype int32, got {np.dtype(dtype)}")
+
+
+def gather_rows(x: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+    """x[positions]; an out-of-range position reads NaN rows (visible in the payload) instead of
+    XLA's silent clamp. `validate_positions` rejects such maps on the host."""
+    return x.at[positions].get(mode="fill", fill_value=jnp.nan)
+
+
 def _check_positions_static(positions, rows: int, num_tokens: int):
     """Trace-time checks of a position map: rank, dtype, length (no data needed)."""
     if positions is None:
@@ -150,7 +168,6 @@ def validate_positions(positions, num_tokens: int, *, window: Window | None = No
             )
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis", "window"))
 def encode_residual(
     current,
     previous,
@@ -168,11 +185,38 @@ def encode_residual(
       current: [T, H, D] (dense) or the compact rows [N, H, D] listed by `positions`.
       previous: the reconstructed predecessor, [T, H, D], same dtype as `current`.
       kind, format, group_size, axis: as for `pack_kv`; the delta is packed with them.
-      positions: None (dense) or int32 [N], strictly increasing in [0, T) (not checked here:
-        see `validate_positions`).
+      positions: None (dense) or int32 [N], strictly increasing in [0, T). Only the dtype is
+        checked here; `validate_positions` checks the values on the host (an out-of-range
+        entry reads NaN rows, so it shows up as NaN in the payload, never as a clamped row).
       window: keep the first `sink` and last `recent` rows (of the compact rows, for a sparse
         residual, whose map must then include the window rows) raw, in the input dtype.
     """
+    check_positions_dtype(positions)
+    return _encode_residual(
+        current,
+        previous,
+        kind=kind,
+        format=format,
+        group_size=group_size,
+        axis=axis,
+        positions=positions,
+        window=window,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis", "window"))
+def _encode_residual(
+    current,
+    previous,
+    *,
+    kind: str,
+    format: str = "int4",
+    group_size: int | None = None,
+    axis: str | None = None,
+    positions=None,
+    window: Window | None = None,
+) -> KVResidual:
+    """Jitted body of `encode_residual` (positions dtype already checked)."""
     current, previous, positions = _check_pair(current, previous, positions)
     window = check_window(window)
     head = tail = None
@@ -180,11 +224,11 @@ def encode_residual(
         head, current, tail = split_rows(current, window)
         if positions is not None:
             _, positions_mid, _ = split_rows(positions, window)
-            base = previous[positions_mid]
+            base = gather_rows(previous, positions_mid)
         else:
             base = split_rows(previous, window)[1]
     else:
-        base = previous if positions is None else previous[positions]
+        base = previous if positions is None else gather_rows(previous, positions)
     delta = subtract_in_dtype(current, base)
     payload = pack_kv(delta, kind=kind, format=format, group_size=group_size, axis=axis)
     return KVResidual(
@@ -221,7 +265,7 @@ def decode_residual(residual: KVResidual, previous) -> jnp.ndarray:
         _, middle, _ = split_rows(previous, window)
         return jnp.concatenate([residual.head, add_in_dtype(middle, delta), residual.tail])
     if window is None:
-        return previous.at[positions].set(add_in_dtype(previous[positions], delta))
+        return previous.at[positions].set(add_in_dtype(gather_rows(previous, positions), delta))
     head_pos, mid_pos, tail_pos = split_rows(positions, window)
-    out = previous.at[mid_pos].set(add_in_dtype(previous[mid_pos], delta))
+    out = previous.at[mid_pos].set(add_in_dtype(gather_rows(previous, mid_pos), delta))
     return out.at[head_pos].set(residual.head).at[tail_pos].set(residual.tail)

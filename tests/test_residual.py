@@ -465,3 +465,27 @@ def test_no_data_needed_to_compile_sparse_path():
     )
     text = lowered.as_text()
     assert "callback" not in text and "scatter" in text
+
+
+def test_positions_dtype_checked_before_jit_converts_it():
+    loops = make_chain(loops=2, t=8)
+    with pytest.raises(TypeError, match="positions must have dtype int32, got int64"):
+        kq.encode_residual(loops[1][:2], loops[0], kind="key", positions=np.array([1, 2]))
+    with pytest.raises(TypeError, match="int32 array, got list"):
+        kq.encode_residual(loops[1][:2], loops[0], kind="key", positions=[1, 2])
+    with pytest.raises(TypeError, match=r"positions\[1\] must have dtype int32"):
+        kq.encode_loops(
+            make_chain(loops=3, t=8), kind="key", positions=[None, np.array([0, 1], np.int64)]
+        )
+
+
+def test_out_of_range_position_is_visible_not_clamped():
+    loops = make_chain(loops=2, t=8)
+    bad = np.array([1, 8], np.int32)  # 8 is out of [0, 8)
+    with pytest.raises(ValueError, match="lie in"):
+        kq.validate_positions(bad, 8)
+    res = kq.encode_residual(loops[1][bad[:1]].repeat(2, 0), loops[0], kind="key", positions=bad)
+    assert np.isnan(np.asarray(res.payload.minimum, np.float32)).any()
+    rebuilt = np.asarray(kq.decode_residual(res, loops[0]), np.float32)
+    assert np.isnan(rebuilt[1]).all()  # the valid row shares the poisoned group
+    assert not np.isnan(np.delete(rebuilt, 1, axis=0)).any()  # nothing else is touched

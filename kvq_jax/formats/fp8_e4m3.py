@@ -57,7 +57,9 @@ class FP8E4M3Codec(Codec):
         )
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
-        out = flush_subnormal(packed.codes.astype(jnp.float32) * packed.scale[..., None])
+        out = flush_subnormal(
+            packed.codes.astype(jnp.float32) * flush_subnormal(packed.scale)[..., None]
+        )
         return out.astype(dtype)
 
 

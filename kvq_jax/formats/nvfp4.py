@@ -99,7 +99,9 @@ class NVFP4Codec(Codec):
     def unpack(self, packed, dtype) -> jnp.ndarray:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
         codes = _nibbles.unpack_nibbles(packed.codes, packed.shape[2])
-        step = flush_subnormal(divide(packed.block_scale.astype(jnp.float32), packed.global_scale))
+        sf = packed.block_scale.astype(jnp.float32)
+        g = flush_subnormal(packed.global_scale)  # a hand-made scale may be subnormal
+        step = flush_subnormal(divide(sf, g))
         out = flush_subnormal(e2m1_decode(layout.split(codes, 0)) * layout.expand(step))
         return layout.merge(out).astype(dtype)
 
