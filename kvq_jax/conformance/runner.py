@@ -54,10 +54,12 @@ def _convert_input(values: np.ndarray, input_kind: str):
         return jnp.asarray(values)
     import torch
 
-    raw = torch.from_numpy(np.ascontiguousarray(values).view(np.uint8).copy())
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
         values.dtype.name
     ]
+    if values.size == 0:
+        return torch.empty(values.shape, dtype=dtype)
+    raw = torch.from_numpy(np.ascontiguousarray(values).reshape(-1).view(np.uint8).copy())
     return raw.view(dtype).reshape(values.shape)
 
 
