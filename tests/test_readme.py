@@ -26,16 +26,22 @@ def test_two_setup_commands_and_ci_runs_the_test_command():
     assert tests in ci, f"{tests!r} is not a line of .ci/run"
 
 
-def test_quickstart_runs_and_its_comments_are_true(capsys):
-    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
-    exec(compile(code, "README quickstart", "exec"), {})
+def test_python_examples_run_and_their_comments_are_true(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"README python block {i}", "exec"), namespace)
     printed = capsys.readouterr().out.splitlines()
     expected = [
         re.search(r"# (.*)$", line).group(1)
+        for code in blocks
         for line in code.splitlines()
         if line.startswith("print(")
     ]
     assert printed == expected
+    assert namespace["recon"].shape == (4, 2048, 16, 128)
+    assert namespace["j_packed"].format == "int4"
 
 
 @pytest.mark.parametrize("argv", [["demo", "--repeats", "1"]])
