@@ -65,11 +65,13 @@ class Codec(abc.ABC):
       name: registry key ("int4", ...).
       array_fields: the PackedKV array fields this format fills.
       default_group_size: used when the caller passes group_size=None.
+      fixed_group_size: True when the format admits only its default group size.
     """
 
     name: str
     array_fields: tuple[str, ...]
     default_group_size: int
+    fixed_group_size: bool = False
 
     # -- static layout -----------------------------------------------------------------
     def resolve(self, shape, kind: str, axis: str | None, group_size: int | None):

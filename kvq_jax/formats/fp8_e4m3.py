@@ -19,6 +19,7 @@ class FP8E4M3Codec(Codec):
     name = "fp8_e4m3"
     array_fields = ("codes", "scale")
     default_group_size = 0  # resolved to D
+    fixed_group_size = True
 
     def resolve(self, shape, kind, axis, group_size):
         check_kind(kind)

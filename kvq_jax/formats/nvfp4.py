@@ -57,6 +57,7 @@ class NVFP4Codec(Codec):
     name = "nvfp4"
     array_fields = ("codes", "block_scale", "global_scale")
     default_group_size = GROUP_SIZE
+    fixed_group_size = True
 
     def resolve(self, shape, kind, axis, group_size):
         axis, group_size = super().resolve(shape, kind, axis, group_size)
