@@ -8,11 +8,13 @@ against; it does not import JAX.
 """
 
 from kvq_jax.api import pack_kv, unpack_kv
-from kvq_jax.codec import DEFAULT_AXIS, KINDS, Codec
+from kvq_jax.codec import Codec
 from kvq_jax.loops import LoopCode, decode_loop, decode_loops, encode_loops
 from kvq_jax.packed import PackedKV
+from kvq_jax.paged import pack_paged, unpack_paged
 from kvq_jax.registry import CODECS, get_codec, register_codec, unregister_codec
 from kvq_jax.residual import KVResidual, decode_residual, encode_residual, validate_positions
+from kvq_jax.spec import DEFAULT_AXIS, KINDS
 from kvq_jax.window import Window, WindowedKV
 
 __all__ = [
@@ -32,8 +34,10 @@ __all__ = [
     "encode_residual",
     "get_codec",
     "pack_kv",
+    "pack_paged",
     "register_codec",
     "unpack_kv",
+    "unpack_paged",
     "unregister_codec",
     "validate_positions",
 ]

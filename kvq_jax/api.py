@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax.codec import check_float_dtype, check_values
+from kvq_jax.codec import check_values
+from kvq_jax.layouts import check_float_dtype
 from kvq_jax.packed import PackedKV
 from kvq_jax.registry import get_codec
 from kvq_jax.window import Window, WindowedKV, check_window, join_rows, split_rows

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvq_jax.api import pack_kv, unpack_kv
-from kvq_jax.codec import check_float_dtype
+from kvq_jax.containers import LoopCodeMixin
+from kvq_jax.layouts import check_float_dtype
 from kvq_jax.packed import PackedKV
 from kvq_jax.registry import get_codec
 from kvq_jax.residual import (
@@ -32,38 +33,11 @@ from kvq_jax.window import Window, WindowedKV, check_window
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoopCode:
+class LoopCode(LoopCodeMixin):
     """A packed loop stack: `base` (loop 0) and one `KVResidual` per later loop."""
 
     base: PackedKV | WindowedKV
     residuals: tuple[KVResidual, ...]
-
-    @property
-    def num_loops(self) -> int:
-        return 1 + len(self.residuals)
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(T, H, D) of one loop."""
-        return self.base.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.base.dtype
-
-    @property
-    def storage_bytes(self) -> int:
-        """Bytes of every array held, over all loops (positions and window rows included)."""
-        return self.base.storage_bytes + sum(r.storage_bytes for r in self.residuals)
-
-    @property
-    def num_elements(self) -> int:
-        return self.base.num_elements * self.num_loops
-
-    @property
-    def bits_per_element(self) -> float:
-        n = self.num_elements
-        return self.storage_bytes * 8 / n if n else float("nan")
 
 
 jax.tree_util.register_dataclass(LoopCode, data_fields=["base", "residuals"], meta_fields=[])

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import numpy as np
 
-#: Array fields a PackedKV may hold; each format uses a subset (see its codec's array_fields).
-ARRAY_FIELDS = ("codes", "minimum", "scale", "block_scale", "global_scale")
-#: Static (hashable) metadata fields.
-META_FIELDS = ("format", "kind", "axis", "group_size", "shape", "dtype")
+from kvq_jax.containers import ARRAY_FIELDS, META_FIELDS, PackedKVMixin
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PackedKV:
+class PackedKV(PackedKVMixin):
     """A packed KV tensor of logical shape `shape` = (T, H, D) and input dtype `dtype`.
 
     Array fields by format (docs/FORMAT.md); unused ones are None:
@@ -40,34 +36,6 @@ class PackedKV:
     group_size: int
     shape: tuple[int, int, int]
     dtype: np.dtype
-
-    @property
-    def arrays(self) -> dict[str, Any]:
-        """The array fields this format uses, by name."""
-        return {
-            name: getattr(self, name) for name in ARRAY_FIELDS if getattr(self, name) is not None
-        }
-
-    @property
-    def batch_shape(self) -> tuple[int, ...]:
-        """Leading axes added by vmap/stacking (empty for one tensor)."""
-        return tuple(self.codes.shape[: self.codes.ndim - 3])
-
-    @property
-    def num_elements(self) -> int:
-        """Logical elements represented, batch axes included."""
-        return math.prod(self.batch_shape) * math.prod(self.shape)
-
-    @property
-    def storage_bytes(self) -> int:
-        """Exactly the bytes of the arrays held (codes and every metadata array)."""
-        return sum(a.size * np.dtype(a.dtype).itemsize for a in self.arrays.values())
-
-    @property
-    def bits_per_element(self) -> float:
-        """storage_bytes * 8 / num_elements (nan for an empty tensor)."""
-        n = self.num_elements
-        return self.storage_bytes * 8 / n if n else float("nan")
 
 
 jax.tree_util.register_dataclass(

@@ -9,7 +9,8 @@ axis (`batch_shape == (P,)`); page i is `jax.tree.map(lambda a: a[i], packed)`.
 Real cost of page-local groups (bits per element, complete pages, D = 128, even D):
   INT4 K with G = page_size = 16: 4 + 32/16 = 6 bits; G = 32 (page 32 or 64): 5; G = 64: 4.5.
   INT4 V (channel groups, independent of the page): 4.5 at G = 64.
-  NVFP4: 4.5 bits + 32 bits per page for the global scale (4.5156 at page 16, H 16, D 128).
+  NVFP4: 4.5 bits + 32 bits per page for the global scale: 4.5 + 32/(page_size * H * D),
+  4.50098 at page 16, H 16, D 128 (4.5156 at page 16, H 1, D 128).
   FP8 E4M3: 8 + 32/D = 8.25 bits.
 """
 
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kvq_jax.api import pack_kv, unpack_kv
-from kvq_jax.codec import check_float_dtype
+from kvq_jax.layouts import check_float_dtype
 from kvq_jax.packed import PackedKV
 from kvq_jax.registry import get_codec
 

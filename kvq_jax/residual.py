@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -24,12 +23,13 @@ import numpy as np
 from kvq_jax._numerics import add_in_dtype, subtract_in_dtype
 from kvq_jax.api import pack_kv, unpack_kv
 from kvq_jax.codec import check_values
+from kvq_jax.containers import KVResidualMixin
 from kvq_jax.packed import PackedKV
-from kvq_jax.window import Window, array_bytes, check_window, split_rows
+from kvq_jax.window import Window, check_window, split_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KVResidual:
+class KVResidual(KVResidualMixin):
     """One loop stored as a delta against the reconstructed previous loop.
 
     payload:   PackedKV of the delta of the quantized rows, [M, H, D].
@@ -49,29 +49,6 @@ class KVResidual:
     tail: Any = None
     shape: tuple[int, int, int]
     window: Window | None = None
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.payload.dtype
-
-    @property
-    def format(self) -> str:
-        return self.payload.format
-
-    @property
-    def storage_bytes(self) -> int:
-        """Bytes of every array held: packed delta, position map and raw window rows."""
-        return self.payload.storage_bytes + array_bytes((self.positions, self.head, self.tail))
-
-    @property
-    def num_elements(self) -> int:
-        """Elements of the full loop this residual reconstructs (batch axes included)."""
-        return math.prod(self.payload.batch_shape) * math.prod(self.shape)
-
-    @property
-    def bits_per_element(self) -> float:
-        n = self.num_elements
-        return self.storage_bytes * 8 / n if n else float("nan")
 
 
 jax.tree_util.register_dataclass(

@@ -8,13 +8,13 @@ token-axis groups are formed over those rows alone.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvq_jax.containers import WindowedKVMixin
 from kvq_jax.packed import PackedKV
 
 
@@ -54,13 +54,8 @@ def join_rows(head, middle, tail) -> jnp.ndarray:
     return jnp.concatenate([head, middle, tail], axis=0)
 
 
-def array_bytes(arrays) -> int:
-    """Bytes of the arrays among `arrays` (None entries skipped)."""
-    return sum(a.size * np.dtype(a.dtype).itemsize for a in arrays if a is not None)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WindowedKV:
+class WindowedKV(WindowedKVMixin):
     """A [T, H, D] tensor whose window rows are stored raw and whose middle rows are packed.
 
     head: [h, H, D] and tail: [t, H, D] in the input dtype (h = min(sink, T),
@@ -72,28 +67,6 @@ class WindowedKV:
     middle: PackedKV
     window: Window
     shape: tuple[int, int, int]
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.middle.dtype
-
-    @property
-    def format(self) -> str:
-        return self.middle.format
-
-    @property
-    def storage_bytes(self) -> int:
-        """Bytes of every array held: raw window rows plus the packed middle."""
-        return array_bytes((self.head, self.tail)) + self.middle.storage_bytes
-
-    @property
-    def num_elements(self) -> int:
-        return math.prod(self.middle.batch_shape) * math.prod(self.shape)
-
-    @property
-    def bits_per_element(self) -> float:
-        n = self.num_elements
-        return self.storage_bytes * 8 / n if n else float("nan")
 
 
 jax.tree_util.register_dataclass(

@@ -9,14 +9,12 @@ never the data.
 from __future__ import annotations
 
 import abc
-import math
 
 import numpy as np
 import torch
 
-from kvq_jax import codec as _jax_codec
-from kvq_jax.codec import FLOAT_DTYPES, check_group_size, check_kind
-from kvq_jax.spec import AXES, DEFAULT_AXIS
+from kvq_jax import layouts as _layouts
+from kvq_jax.layouts import FLOAT_DTYPES, FormatLayout, check_group_size, check_kind
 from kvq_torch_bridge._dtypes import numpy_dtype
 from kvq_torch_bridge.packed import PackedKV
 
@@ -39,7 +37,7 @@ def check_float_dtype(dtype, name: str) -> np.dtype:
             allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
             raise TypeError(f"{name} must have dtype in ({allowed}), got {dtype}")
         dtype = dt
-    return _jax_codec.check_float_dtype(dtype, name)
+    return _layouts.check_float_dtype(dtype, name)
 
 
 def check_values(values, name: str = "values") -> tuple[tuple[int, int, int], np.dtype]:
@@ -54,47 +52,10 @@ def check_values(values, name: str = "values") -> tuple[tuple[int, int, int], np
     return shape, check_float_dtype(values.dtype, f"{name}.dtype")
 
 
-class Codec(abc.ABC):
-    """A storage format for torch tensors. Subclass, set the class attributes, implement
-    `array_shapes`/`pack`/`unpack`, and add an instance to the registry with
-    `kvq_torch_bridge.registry.register_codec`.
-
-    Class attributes:
-      name: registry key ("int4", ...).
-      array_fields: the PackedKV array fields this format fills.
-      default_group_size: used when the caller passes group_size=None.
+class Codec(FormatLayout, abc.ABC):
+    """A storage format implemented in Torch: a `kvq_jax.layouts.FormatLayout` (the same
+    names, group-size rules, array shapes and error messages as kvq_jax) plus `pack`/`unpack`.
     """
-
-    name: str
-    array_fields: tuple[str, ...]
-    default_group_size: int
-
-    # -- static layout -----------------------------------------------------------------
-    def resolve(self, shape, kind: str, axis: str | None, group_size: int | None):
-        """Validate and default (axis, group_size) for values of `shape` (no data read)."""
-        check_kind(kind)
-        axis = DEFAULT_AXIS[kind] if axis is None else axis
-        if axis not in AXES:
-            raise ValueError(f"axis must be one of {AXES} or None, got {axis!r}")
-        group_size = self.default_group_size if group_size is None else group_size
-        return axis, check_group_size(group_size)
-
-    @abc.abstractmethod
-    def array_shapes(self, shape, axis: str, group_size: int) -> dict[str, tuple[tuple, np.dtype]]:
-        """{field: (shape, numpy dtype)} of every array a PackedKV of this format holds."""
-
-    def metadata_shapes(self, shape, axis: str, group_size: int) -> dict[str, tuple]:
-        """{field: shape} of the metadata arrays (every array but codes)."""
-        return {
-            k: s for k, (s, _) in self.array_shapes(shape, axis, group_size).items() if k != "codes"
-        }
-
-    def storage_bytes(self, shape, axis: str, group_size: int) -> int:
-        """Bytes a packed tensor of logical `shape` occupies (all arrays, no overhead)."""
-        return sum(
-            math.prod(s) * np.dtype(dt).itemsize
-            for s, dt in self.array_shapes(shape, axis, group_size).values()
-        )
 
     # -- data paths --------------------------------------------------------------------
     @abc.abstractmethod

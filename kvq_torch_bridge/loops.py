@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from kvq_jax.containers import LoopCodeMixin
 from kvq_jax.loops import _residual_group_size, _resolve_positions
 from kvq_jax.window import Window, check_window
 from kvq_torch_bridge.api import pack_kv, unpack_kv
@@ -25,42 +26,15 @@ __all__ = ["LoopCode", "decode_loop", "decode_loops", "encode_loops"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoopCode:
+class LoopCode(LoopCodeMixin):
     """A packed loop stack: `base` (loop 0) and one `KVResidual` per later loop."""
 
     base: PackedKV | WindowedKV
     residuals: tuple[KVResidual, ...]
 
     @property
-    def num_loops(self) -> int:
-        return 1 + len(self.residuals)
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(T, H, D) of one loop."""
-        return self.base.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.base.dtype
-
-    @property
     def torch_dtype(self) -> torch.dtype:
         return self.base.torch_dtype
-
-    @property
-    def storage_bytes(self) -> int:
-        """Bytes of every array held, over all loops (positions and window rows included)."""
-        return self.base.storage_bytes + sum(r.storage_bytes for r in self.residuals)
-
-    @property
-    def num_elements(self) -> int:
-        return self.base.num_elements * self.num_loops
-
-    @property
-    def bits_per_element(self) -> float:
-        n = self.num_elements
-        return self.storage_bytes * 8 / n if n else float("nan")
 
 
 pytree.register_pytree_node(

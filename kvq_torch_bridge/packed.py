@@ -11,31 +11,27 @@ across stacks; `torch_dtype` gives the torch dtype. Every class is registered as
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from kvq_jax.packed import ARRAY_FIELDS, META_FIELDS
+from kvq_jax.containers import (
+    ARRAY_FIELDS,
+    META_FIELDS,
+    KVResidualMixin,
+    PackedKVMixin,
+    WindowedKVMixin,
+)
 from kvq_jax.window import Window
 from kvq_torch_bridge._dtypes import torch_dtype
 
-__all__ = ["KVResidual", "PackedKV", "WindowedKV", "register_pytree", "tensor_bytes"]
-
-
-def tensor_bytes(tensors) -> int:
-    """Bytes of the tensors among `tensors` (None entries skipped): numel * element size."""
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _bits_per_element(storage_bytes: int, num_elements: int) -> float:
-    return storage_bytes * 8 / num_elements if num_elements else float("nan")
+__all__ = ["KVResidual", "PackedKV", "WindowedKV", "register_pytree"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PackedKV:
+class PackedKV(PackedKVMixin):
     """A packed KV tensor of logical shape `shape` = (T, H, D) and input dtype `dtype`.
 
     Array fields by format (docs/FORMAT.md); unused ones are None:
@@ -68,36 +64,9 @@ class PackedKV:
     def device(self) -> torch.device:
         return self.codes.device
 
-    @property
-    def arrays(self) -> dict[str, Any]:
-        """The array fields this format uses, by name."""
-        return {
-            name: getattr(self, name) for name in ARRAY_FIELDS if getattr(self, name) is not None
-        }
-
-    @property
-    def batch_shape(self) -> tuple[int, ...]:
-        """Leading axes added by stacking (empty for one tensor)."""
-        return tuple(self.codes.shape[: self.codes.ndim - 3])
-
-    @property
-    def num_elements(self) -> int:
-        """Logical elements represented, batch axes included."""
-        return math.prod(self.batch_shape) * math.prod(self.shape)
-
-    @property
-    def storage_bytes(self) -> int:
-        """Exactly the bytes of the arrays held (codes and every metadata array)."""
-        return tensor_bytes(self.arrays.values())
-
-    @property
-    def bits_per_element(self) -> float:
-        """storage_bytes * 8 / num_elements (nan for an empty tensor)."""
-        return _bits_per_element(self.storage_bytes, self.num_elements)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WindowedKV:
+class WindowedKV(WindowedKVMixin):
     """A [T, H, D] tensor whose window rows are stored raw and whose middle rows are packed.
 
     head: [h, H, D] and tail: [t, H, D] in the input dtype (h = min(sink, T),
@@ -111,33 +80,12 @@ class WindowedKV:
     shape: tuple[int, int, int]
 
     @property
-    def dtype(self) -> np.dtype:
-        return self.middle.dtype
-
-    @property
     def torch_dtype(self) -> torch.dtype:
         return self.middle.torch_dtype
 
-    @property
-    def format(self) -> str:
-        return self.middle.format
-
-    @property
-    def storage_bytes(self) -> int:
-        """Bytes of every array held: raw window rows plus the packed middle."""
-        return tensor_bytes((self.head, self.tail)) + self.middle.storage_bytes
-
-    @property
-    def num_elements(self) -> int:
-        return math.prod(self.middle.batch_shape) * math.prod(self.shape)
-
-    @property
-    def bits_per_element(self) -> float:
-        return _bits_per_element(self.storage_bytes, self.num_elements)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KVResidual:
+class KVResidual(KVResidualMixin):
     """One loop stored as a delta against the reconstructed previous loop.
 
     payload:   PackedKV of the delta of the quantized rows, [M, H, D].
@@ -156,30 +104,8 @@ class KVResidual:
     window: Window | None = None
 
     @property
-    def dtype(self) -> np.dtype:
-        return self.payload.dtype
-
-    @property
     def torch_dtype(self) -> torch.dtype:
         return self.payload.torch_dtype
-
-    @property
-    def format(self) -> str:
-        return self.payload.format
-
-    @property
-    def storage_bytes(self) -> int:
-        """Bytes of every array held: packed delta, position map and raw window rows."""
-        return self.payload.storage_bytes + tensor_bytes((self.positions, self.head, self.tail))
-
-    @property
-    def num_elements(self) -> int:
-        """Elements of the full loop this residual reconstructs (batch axes included)."""
-        return math.prod(self.payload.batch_shape) * math.prod(self.shape)
-
-    @property
-    def bits_per_element(self) -> float:
-        return _bits_per_element(self.storage_bytes, self.num_elements)
 
 
 def register_pytree(cls, data_fields, meta_fields) -> None:

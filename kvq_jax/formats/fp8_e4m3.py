@@ -7,39 +7,15 @@ group_size D); the codes are the float8_e4m3fn values themselves, 8 bits each.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from kvq_jax._numerics import divide, flush_subnormal, widen
-from kvq_jax.codec import Codec, check_group_size, check_kind
+from kvq_jax.codec import Codec
+from kvq_jax.layouts import FP8E4M3Layout
 from kvq_jax.packed import PackedKV
 from kvq_jax.spec import E4M3_MAX
 
 
-class FP8E4M3Codec(Codec):
-    name = "fp8_e4m3"
-    array_fields = ("codes", "scale")
-    default_group_size = 0  # resolved to D
-    fixed_group_size = True
-
-    def resolve(self, shape, kind, axis, group_size):
-        check_kind(kind)
-        d = shape[2]
-        if axis not in (None, "channels"):
-            raise ValueError(f"axis must be 'channels' (or None) for fp8_e4m3, got {axis!r}")
-        if group_size is not None and check_group_size(group_size) != d:
-            raise ValueError(
-                f"group_size must be D={d} (or None) for fp8_e4m3: one scale per "
-                f"(token, head), got {group_size}"
-            )
-        return "channels", d
-
-    def array_shapes(self, shape, axis, group_size):
-        t, h, d = shape
-        return {
-            "codes": ((t, h, d), np.dtype(jnp.float8_e4m3fn)),
-            "scale": ((t, h), np.dtype(np.float32)),
-        }
-
+class FP8E4M3Codec(FP8E4M3Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         x = widen(values)
         finite = jnp.all(jnp.isfinite(x), axis=-1)

@@ -7,13 +7,13 @@ metadata is rounded afterwards and used by decode (the reference behaviour).
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
-from kvq_jax import _grouping, _nibbles, spec
+from kvq_jax import _grouping, _nibbles
 from kvq_jax._numerics import divide, flush_subnormal, round_half_even, widen
 from kvq_jax.codec import Codec
+from kvq_jax.layouts import Int4Layout
 from kvq_jax.packed import PackedKV
-from kvq_jax.spec import INT4_DEFAULT_GROUP_SIZE, INT4_LEVELS
+from kvq_jax.spec import INT4_LEVELS
 
 
 def quantize_groups(xg: jnp.ndarray, valid, member_axis: int):
@@ -45,20 +45,7 @@ def dequantize_groups(codes_g, minimum, scale, member_axis: int) -> jnp.ndarray:
     return codes_g.astype(jnp.float32) * sc + mn
 
 
-class Int4Codec(Codec):
-    name = "int4"
-    array_fields = ("codes", "minimum", "scale")
-    default_group_size = INT4_DEFAULT_GROUP_SIZE
-
-    def array_shapes(self, shape, axis, group_size):
-        t, h, d = shape
-        meta = spec.metadata_shape(shape, axis, group_size)
-        return {
-            "codes": ((t, h, spec.packed_width(d)), np.dtype(np.uint8)),
-            "minimum": (meta, np.dtype(np.float16)),
-            "scale": (meta, np.dtype(np.float16)),
-        }
-
+class Int4Codec(Int4Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
         xg = layout.split(widen(values), 0.0)

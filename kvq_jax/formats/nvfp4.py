@@ -5,9 +5,8 @@ global encode scale per packed tensor. docs/FORMAT.md section 3.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
-from kvq_jax import _grouping, _nibbles, spec
+from kvq_jax import _grouping, _nibbles
 from kvq_jax._numerics import (
     divide,
     e2m1_decode,
@@ -16,6 +15,7 @@ from kvq_jax._numerics import (
     widen,
 )
 from kvq_jax.codec import Codec
+from kvq_jax.layouts import NVFP4Layout
 from kvq_jax.packed import PackedKV
 from kvq_jax.spec import (
     E2M1_MAX,
@@ -53,29 +53,7 @@ def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, member_axis: int):
     return codes, jnp.squeeze(s8, member_axis)
 
 
-class NVFP4Codec(Codec):
-    name = "nvfp4"
-    array_fields = ("codes", "block_scale", "global_scale")
-    default_group_size = GROUP_SIZE
-    fixed_group_size = True
-
-    def resolve(self, shape, kind, axis, group_size):
-        axis, group_size = super().resolve(shape, kind, axis, group_size)
-        if group_size != GROUP_SIZE:
-            raise ValueError(f"group_size must be {GROUP_SIZE} for nvfp4, got {group_size}")
-        return axis, group_size
-
-    def array_shapes(self, shape, axis, group_size):
-        t, h, d = shape
-        return {
-            "codes": ((t, h, spec.packed_width(d)), np.dtype(np.uint8)),
-            "block_scale": (
-                spec.metadata_shape(shape, axis, group_size),
-                np.dtype(jnp.float8_e4m3fn),
-            ),
-            "global_scale": ((), np.dtype(np.float32)),
-        }
-
+class NVFP4Codec(NVFP4Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
         x = widen(values)

@@ -6,40 +6,17 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
+from kvq_jax.layouts import FP8E4M3Layout
 from kvq_jax.spec import E4M3_MAX
-from kvq_torch_bridge._dtypes import NUMPY_DTYPE, torch_dtype
+from kvq_torch_bridge._dtypes import torch_dtype
 from kvq_torch_bridge._numerics import F32, clamp_e4m3, divide, flush_subnormal, widen
-from kvq_torch_bridge.codec import Codec, check_group_size, check_kind
+from kvq_torch_bridge.codec import Codec
 from kvq_torch_bridge.packed import PackedKV
 
 
-class FP8E4M3Codec(Codec):
-    name = "fp8_e4m3"
-    array_fields = ("codes", "scale")
-    default_group_size = 0  # resolved to D
-
-    def resolve(self, shape, kind, axis, group_size):
-        check_kind(kind)
-        d = shape[2]
-        if axis not in (None, "channels"):
-            raise ValueError(f"axis must be 'channels' (or None) for fp8_e4m3, got {axis!r}")
-        if group_size is not None and check_group_size(group_size) != d:
-            raise ValueError(
-                f"group_size must be D={d} (or None) for fp8_e4m3: one scale per "
-                f"(token, head), got {group_size}"
-            )
-        return "channels", d
-
-    def array_shapes(self, shape, axis, group_size):
-        t, h, d = shape
-        return {
-            "codes": ((t, h, d), NUMPY_DTYPE[torch.float8_e4m3fn]),
-            "scale": ((t, h), np.dtype(np.float32)),
-        }
-
+class FP8E4M3Codec(FP8E4M3Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         x = widen(values)
         finite = torch.isfinite(x).all(dim=-1)

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
-from kvq_jax import spec
-from kvq_jax.spec import INT4_DEFAULT_GROUP_SIZE, INT4_LEVELS
+from kvq_jax.layouts import Int4Layout
+from kvq_jax.spec import INT4_LEVELS
 from kvq_torch_bridge import _grouping, _nibbles
 from kvq_torch_bridge._dtypes import torch_dtype
 from kvq_torch_bridge._numerics import F32, divide, flush_subnormal, round_half_even, widen
@@ -50,20 +49,7 @@ def dequantize(codes, minimum, scale, layout: _grouping.GroupLayout) -> torch.Te
     return codes.to(F32) * sc + mn
 
 
-class Int4Codec(Codec):
-    name = "int4"
-    array_fields = ("codes", "minimum", "scale")
-    default_group_size = INT4_DEFAULT_GROUP_SIZE
-
-    def array_shapes(self, shape, axis, group_size):
-        t, h, d = shape
-        meta = spec.metadata_shape(shape, axis, group_size)
-        return {
-            "codes": ((t, h, spec.packed_width(d)), np.dtype(np.uint8)),
-            "minimum": (meta, np.dtype(np.float16)),
-            "scale": (meta, np.dtype(np.float16)),
-        }
-
+class Int4Codec(Int4Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         layout = _grouping.GroupLayout(tuple(values.shape), axis, group_size)
         codes, minimum, scale = quantize(widen(values), layout)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
-from kvq_jax import spec
+from kvq_jax.layouts import NVFP4Layout
 from kvq_jax.spec import (
     E2M1_MAX,
     F32_MAX,
@@ -18,7 +17,7 @@ from kvq_jax.spec import (
     NVFP4_ONE_SIXTH,
 )
 from kvq_torch_bridge import _grouping, _nibbles
-from kvq_torch_bridge._dtypes import NUMPY_DTYPE, torch_dtype
+from kvq_torch_bridge._dtypes import torch_dtype
 from kvq_torch_bridge._numerics import (
     F32,
     clamp_e4m3,
@@ -63,28 +62,7 @@ def quantize(x: torch.Tensor, g: torch.Tensor, layout: _grouping.GroupLayout):
     return e2m1_encode(y, torch.signbit(x)), s8
 
 
-class NVFP4Codec(Codec):
-    name = "nvfp4"
-    array_fields = ("codes", "block_scale", "global_scale")
-    default_group_size = GROUP_SIZE
-
-    def resolve(self, shape, kind, axis, group_size):
-        axis, group_size = super().resolve(shape, kind, axis, group_size)
-        if group_size != GROUP_SIZE:
-            raise ValueError(f"group_size must be {GROUP_SIZE} for nvfp4, got {group_size}")
-        return axis, group_size
-
-    def array_shapes(self, shape, axis, group_size):
-        t, h, d = shape
-        return {
-            "codes": ((t, h, spec.packed_width(d)), np.dtype(np.uint8)),
-            "block_scale": (
-                spec.metadata_shape(shape, axis, group_size),
-                NUMPY_DTYPE[torch.float8_e4m3fn],
-            ),
-            "global_scale": ((), np.dtype(np.float32)),
-        }
-
+class NVFP4Codec(NVFP4Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         layout = _grouping.GroupLayout(tuple(values.shape), axis, group_size)
         x = widen(values)

@@ -1,0 +1,153 @@
+"""Framework-neutral format layouts: argument checks, group-size rules and array shapes.
+
+A layout says, for each format, which arrays a packed tensor holds and their shapes and
+dtypes, how `axis` and `group_size` default and what they may be. It reads shapes only, so the
+JAX codecs (`kvq_jax.formats`) and the Torch codecs (`kvq_torch_bridge.formats`) inherit the
+same class and raise the same errors with the same messages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from kvq_jax import spec
+
+#: Input/output dtypes the codecs accept.
+FLOAT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+_U8, _F16, _F32 = np.dtype(np.uint8), np.dtype(np.float16), np.dtype(np.float32)
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def check_float_dtype(dtype, name: str) -> np.dtype:
+    """Return `dtype` as a numpy dtype, or raise TypeError naming argument `name`."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{name}: {dtype!r} is not a dtype") from e
+    if dt not in FLOAT_DTYPES:
+        allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {dt}")
+    return dt
+
+
+def check_kind(kind) -> str:
+    if kind not in spec.KINDS:
+        raise ValueError(f"kind must be one of {spec.KINDS}, got {kind!r}")
+    return kind
+
+
+def check_group_size(group_size) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int | np.integer):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    return int(group_size)
+
+
+class FormatLayout:
+    """Static description of a storage format.
+
+    Class attributes:
+      name: registry key ("int4", ...).
+      array_fields: the PackedKV array fields this format fills.
+      default_group_size: used when the caller passes group_size=None.
+      fixed_group_size: True when the format admits only its default group size.
+    """
+
+    name: str
+    array_fields: tuple[str, ...]
+    default_group_size: int
+    fixed_group_size: bool = False
+
+    def resolve(self, shape, kind: str, axis: str | None, group_size: int | None):
+        """Validate and default (axis, group_size) for values of `shape` (trace time only)."""
+        check_kind(kind)
+        axis = spec.DEFAULT_AXIS[kind] if axis is None else axis
+        if axis not in spec.AXES:
+            raise ValueError(f"axis must be one of {spec.AXES} or None, got {axis!r}")
+        group_size = self.default_group_size if group_size is None else group_size
+        return axis, check_group_size(group_size)
+
+    def array_shapes(self, shape, axis: str, group_size: int) -> dict[str, tuple[tuple, np.dtype]]:
+        """{field: (shape, numpy dtype)} of every array a packed tensor of this format holds."""
+        raise NotImplementedError
+
+    def metadata_shapes(self, shape, axis: str, group_size: int) -> dict[str, tuple]:
+        """{field: shape} of the metadata arrays (every array but codes)."""
+        shapes = self.array_shapes(shape, axis, group_size)
+        return {k: s for k, (s, _) in shapes.items() if k != "codes"}
+
+    def storage_bytes(self, shape, axis: str, group_size: int) -> int:
+        """Bytes a packed tensor of logical `shape` occupies (all arrays, no overhead)."""
+        shapes = self.array_shapes(shape, axis, group_size).values()
+        return sum(math.prod(s) * dt.itemsize for s, dt in shapes)
+
+
+class Int4Layout(FormatLayout):
+    """Affine INT4: nibble codes, FP16 minimum and scale per group of any size."""
+
+    name = "int4"
+    array_fields = ("codes", "minimum", "scale")
+    default_group_size = spec.INT4_DEFAULT_GROUP_SIZE
+
+    def array_shapes(self, shape, axis, group_size):
+        t, h, d = shape
+        meta = spec.metadata_shape(shape, axis, group_size)
+        return {
+            "codes": ((t, h, spec.packed_width(d)), _U8),
+            "minimum": (meta, _F16),
+            "scale": (meta, _F16),
+        }
+
+
+class NVFP4Layout(FormatLayout):
+    """NVFP4: nibble codes, an E4M3 scale per 16 elements, one float32 scale per tensor."""
+
+    name = "nvfp4"
+    array_fields = ("codes", "block_scale", "global_scale")
+    default_group_size = spec.NVFP4_GROUP_SIZE
+    fixed_group_size = True
+
+    def resolve(self, shape, kind, axis, group_size):
+        axis, group_size = super().resolve(shape, kind, axis, group_size)
+        if group_size != spec.NVFP4_GROUP_SIZE:
+            raise ValueError(
+                f"group_size must be {spec.NVFP4_GROUP_SIZE} for nvfp4, got {group_size}"
+            )
+        return axis, group_size
+
+    def array_shapes(self, shape, axis, group_size):
+        t, h, d = shape
+        return {
+            "codes": ((t, h, spec.packed_width(d)), _U8),
+            "block_scale": (spec.metadata_shape(shape, axis, group_size), _E4M3),
+            "global_scale": ((), _F32),
+        }
+
+
+class FP8E4M3Layout(FormatLayout):
+    """FP8 E4M3 codes with one float32 scale per (token, head): axis channels, group D."""
+
+    name = "fp8_e4m3"
+    array_fields = ("codes", "scale")
+    default_group_size = 0  # resolved to D
+    fixed_group_size = True
+
+    def resolve(self, shape, kind, axis, group_size):
+        check_kind(kind)
+        d = shape[2]
+        if axis not in (None, "channels"):
+            raise ValueError(f"axis must be 'channels' (or None) for fp8_e4m3, got {axis!r}")
+        if group_size is not None and check_group_size(group_size) != d:
+            raise ValueError(
+                f"group_size must be D={d} (or None) for fp8_e4m3: one scale per "
+                f"(token, head), got {group_size}"
+            )
+        return "channels", d
+
+    def array_shapes(self, shape, axis, group_size):
+        t, h, d = shape
+        return {"codes": ((t, h, d), _E4M3), "scale": ((t, h), _F32)}
