@@ -43,6 +43,14 @@ class LoopCode(LoopCodeMixin):
 jax.tree_util.register_dataclass(LoopCode, data_fields=["base", "residuals"], meta_fields=[])
 
 
+def check_loop_stack(shape) -> None:
+    """Raise ValueError unless `shape` is [L, T, H, D] with L >= 1 (shared by both stacks)."""
+    if len(shape) != 4:
+        raise ValueError(f"loops must have rank 4 [L, T, H, D], got shape {tuple(shape)}")
+    if shape[0] < 1:
+        raise ValueError("loops must hold at least one loop (L >= 1)")
+
+
 def _resolve_positions(positions, num_residuals: int) -> tuple:
     """One entry (None or int32 [N]) per later loop."""
     if positions is None:
@@ -133,10 +141,7 @@ def _encode_loops(
 ) -> LoopCode:
     """Jitted body of `encode_loops` (position dtypes already checked)."""
     loops = jnp.asarray(loops)
-    if loops.ndim != 4:
-        raise ValueError(f"loops must have rank 4 [L, T, H, D], got shape {loops.shape}")
-    if loops.shape[0] < 1:
-        raise ValueError("loops must hold at least one loop (L >= 1)")
+    check_loop_stack(loops.shape)
     check_float_dtype(loops.dtype, "loops.dtype")
     residual_format = base_format if residual_format is None else residual_format
     get_codec(base_format), get_codec(residual_format)

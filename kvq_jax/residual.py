@@ -111,6 +111,16 @@ def _check_pair(current, previous, positions):
     return current, previous, _check_positions_static(positions, n, t)
 
 
+def check_previous(residual, shape, dtype) -> None:
+    """Raise ValueError unless a predecessor of `shape`/`dtype` is the one `residual` was
+    encoded against (shared by the JAX and Torch decoders)."""
+    if tuple(shape) != residual.shape or dtype != residual.dtype:
+        raise ValueError(
+            f"previous is {dtype}{list(shape)} but the residual was encoded "
+            f"against {residual.dtype}{list(residual.shape)}"
+        )
+
+
 def validate_positions(positions, num_tokens: int, *, window: Window | None = None) -> None:
     """Host-side check of a position map; raises ValueError if it is not usable.
 
@@ -228,12 +238,7 @@ def decode_residual(residual: KVResidual, previous) -> jnp.ndarray:
     if not isinstance(residual, KVResidual):
         raise TypeError(f"residual must be a KVResidual, got {type(residual).__name__}")
     previous = jnp.asarray(previous)
-    shape, dtype = check_values(previous, "previous")
-    if shape != residual.shape or dtype != residual.dtype:
-        raise ValueError(
-            f"previous is {dtype}{list(shape)} but the residual was encoded "
-            f"against {residual.dtype}{list(residual.shape)}"
-        )
+    check_previous(residual, *check_values(previous, "previous"))
     delta = unpack_kv(residual.payload)
     window, positions = residual.window, residual.positions
     if positions is None:

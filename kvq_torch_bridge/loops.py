@@ -14,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kvq_jax.containers import LoopCodeMixin
-from kvq_jax.loops import _residual_group_size, _resolve_positions
+from kvq_jax.loops import _residual_group_size, _resolve_positions, check_loop_stack
 from kvq_jax.window import Window, check_window
 from kvq_torch_bridge.api import pack_kv, unpack_kv
 from kvq_torch_bridge.codec import check_float_dtype
@@ -69,10 +69,7 @@ def encode_loops(
     """
     if not isinstance(loops, torch.Tensor):
         raise TypeError(f"loops must be a torch.Tensor, got {type(loops).__name__}")
-    if loops.ndim != 4:
-        raise ValueError(f"loops must have rank 4 [L, T, H, D], got shape {tuple(loops.shape)}")
-    if loops.shape[0] < 1:
-        raise ValueError("loops must hold at least one loop (L >= 1)")
+    check_loop_stack(loops.shape)
     check_float_dtype(loops.dtype, "loops.dtype")
     residual_format = base_format if residual_format is None else residual_format
     get_codec(base_format), get_codec(residual_format)

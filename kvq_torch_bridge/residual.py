@@ -138,12 +138,7 @@ def decode_residual(residual: KVResidual, previous: torch.Tensor) -> torch.Tenso
     """
     if not isinstance(residual, KVResidual):
         raise TypeError(f"residual must be a KVResidual, got {type(residual).__name__}")
-    shape, dtype = check_values(previous, "previous")
-    if shape != residual.shape or dtype != residual.dtype:
-        raise ValueError(
-            f"previous is {dtype}{list(shape)} but the residual was encoded "
-            f"against {residual.dtype}{list(residual.shape)}"
-        )
+    _jax_residual.check_previous(residual, *check_values(previous, "previous"))
     delta = unpack_kv(residual.payload)
     window, positions = residual.window, residual.positions
     if positions is None:
