@@ -1,6 +1,7 @@
 """Timing helpers shared by the kvq benchmarks.
 
     t = median_time(fn, x, warmup=3, repeats=20)     # seconds, results blocked on
+    t = median_time(fn, x, repeats=20, budget_s=2.0) # ... at most ~2 s of timed calls
     copy = copy_baseline(x)                          # a jitted copy XLA cannot elide
     print_table(rows, COLUMNS)
 
@@ -37,9 +38,20 @@ class Timing:
         return self.median_s * 1e3
 
 
-def median_time(fn: Callable, *args, warmup: int = 3, repeats: int = 20, **kwargs) -> Timing:
+def median_time(
+    fn: Callable,
+    *args,
+    warmup: int = 3,
+    repeats: int = 20,
+    budget_s: float | None = None,
+    **kwargs,
+) -> Timing:
     """Time `fn(*args, **kwargs)`: `warmup` untimed calls (compilation happens there), then
-    `repeats` timed calls, each blocked until its result is ready."""
+    `repeats` timed calls, each blocked until its result is ready.
+
+    budget_s: stop early once the timed calls have taken `budget_s` seconds in all, after at
+    least min(3, repeats) of them (slow cases get fewer runs, fast ones all `repeats`).
+    """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for _ in range(max(warmup, 1)):  # at least one: never time the compilation
@@ -49,6 +61,8 @@ def median_time(fn: Callable, *args, warmup: int = 3, repeats: int = 20, **kwarg
         start = time.perf_counter()
         jax.block_until_ready(fn(*args, **kwargs))
         times.append(time.perf_counter() - start)
+        if budget_s is not None and len(times) >= min(3, repeats) and sum(times) >= budget_s:
+            break
     return Timing(statistics.median(times), min(times), tuple(times))
 
 

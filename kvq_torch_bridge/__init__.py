@@ -18,6 +18,7 @@ from kvq_torch_bridge.bridge import CopyWarning, from_torch, jax_to_torch, to_to
 from kvq_torch_bridge.codec import Codec
 from kvq_torch_bridge.loops import LoopCode, decode_loop, decode_loops, encode_loops
 from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
+from kvq_torch_bridge.paged import pack_paged, unpack_paged
 from kvq_torch_bridge.registry import CODECS, get_codec, register_codec, unregister_codec
 from kvq_torch_bridge.residual import decode_residual, encode_residual, validate_positions
 
@@ -57,10 +58,12 @@ __all__ = [
     "get_codec",
     "jax_to_torch",
     "pack_kv",
+    "pack_paged",
     "register_codec",
     "to_torch",
     "torch_to_jax",
     "unpack_kv",
+    "unpack_paged",
     "unregister_codec",
     "validate_positions",
 ]

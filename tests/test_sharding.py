@@ -1,0 +1,167 @@
+"""Sharding over KV heads: the codecs run per head on a 4-device CPU mesh.
+
+The checks run in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4 (the
+rest of the suite keeps one device). Inputs [T, H, D] (H = 8) are sharded
+P(None, "heads", None) and pages [P, page_size, H, D] P(None, None, "heads", None). For
+`pack_kv`, `unpack_kv`, `encode_loops` / `decode_loops` and `pack_paged` / `unpack_paged`:
+  * every per-head output (codes and metadata) stays sharded over its H axis,
+  * the bytes equal the unsharded run,
+  * the compiled HLO holds no collective (all-reduce, all-gather, all-to-all,
+    collective-permute, reduce-scatter) for INT4 and FP8 E4M3, whose groups live in one head.
+NVFP4 is the exception, by format: its global scale is a max of |x| over the whole tensor (per
+page for paged caches) and its finite check an AND over the whole tensor, both across heads.
+Its packing HLO must hold exactly those two all-reduces (one float32 max, one pred AND, each
+of the global-scale shape: [] per tensor, [P] per page) and nothing else; its global_scale is
+replicated. Unpacking is collective-free for every format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+DEVICES = 4
+
+SCRIPT = r"""
+import functools, json, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import kvq_jax
+from helpers import assert_same_bytes, assert_trees_same_bytes
+
+assert jax.device_count() == 4, jax.devices()
+mesh = Mesh(np.array(jax.devices()), ("heads",))
+COLLECTIVE = re.compile(
+    r"=\s*(\S+)\s+(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+    r"(?:-start)?\(.*?op_name=\"[^\"]*?(\w+)\""
+)
+ANY_COLLECTIVE = re.compile(
+    r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\("
+)
+
+
+def collectives(f, *args):
+    hlo = f.lower(*args).compile().as_text()
+    # (result shape without layout, collective, reducer op_name)
+    found = [(re.sub(r"\{[^}]*\}", "", m[1]), m[2], m[3]) for m in COLLECTIVE.finditer(hlo)]
+    assert len(found) == len(ANY_COLLECTIVE.findall(hlo)), hlo  # every one parsed
+    return sorted(found)
+
+
+def head_sharded(a, head_axis, what):
+    spec = tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
+    expected = tuple("heads" if i == head_axis else None for i in range(a.ndim))
+    assert spec == expected, f"{what}: {a.sharding.spec}, expected {expected}"
+
+
+def check_packed(packed, head_axis, what):
+    for name, a in packed.arrays.items():
+        if name == "global_scale":  # one per tensor / page: replicated, no head axis
+            assert a.sharding.is_fully_replicated, f"{what}.{name}: {a.sharding}"
+        else:
+            head_sharded(a, head_axis, f"{what}.{name}")
+
+
+def expected(fmt, shape):
+    if fmt != "nvfp4":
+        return []
+    return [
+        (f"f32{shape}", "all-reduce", "reduce_max"),
+        (f"pred{shape}", "all-reduce", "reduce_and"),
+    ]
+
+
+rng = np.random.default_rng(0)
+x = rng.standard_normal((32, 8, 64)).astype(np.float32)
+loops = rng.standard_normal((3, 32, 8, 64)).astype(np.float32)
+pages = rng.standard_normal((3, 16, 8, 64)).astype(np.float32)
+pages *= np.float32([1, 100, 0]).reshape(3, 1, 1, 1)  # per-page global scales differ
+shard3 = NamedSharding(mesh, P(None, "heads", None))
+shard4 = NamedSharding(mesh, P(None, None, "heads", None))
+xs = jax.device_put(x, shard3)
+loops_s, pages_s = jax.device_put(loops, shard4), jax.device_put(pages, shard4)
+report = {}
+for fmt in ("int4", "nvfp4", "fp8_e4m3"):
+    for kind in ("key", "value"):
+        tag = f"{fmt}/{kind}"
+        # pack_kv / unpack_kv
+        pack = jax.jit(functools.partial(kvq_jax.pack_kv, kind=kind, format=fmt))
+        packed = pack(xs)
+        check_packed(packed, 1, tag)
+        assert_trees_same_bytes(packed, kvq_jax.pack_kv(jnp.asarray(x), kind=kind, format=fmt), tag)
+        found = collectives(pack, xs)
+        assert found == expected(fmt, "[]"), (tag, found)
+        report[f"pack_kv {tag}"] = found
+        unpack = jax.jit(kvq_jax.unpack_kv)
+        out = unpack(packed)
+        head_sharded(out, 1, f"unpack {tag}")
+        ref = kvq_jax.pack_kv(jnp.asarray(x), kind=kind, format=fmt)
+        assert_same_bytes(out, kvq_jax.unpack_kv(ref))
+        assert collectives(unpack, packed) == [], tag
+        # encode_loops / decode_loops (dense)
+        enc = jax.jit(functools.partial(kvq_jax.encode_loops, kind=kind, base_format=fmt))
+        code = enc(loops_s)
+        check_packed(code.base, 1, f"loops base {tag}")
+        for r in code.residuals:
+            check_packed(r.payload, 1, f"loops residual {tag}")
+        ref = kvq_jax.encode_loops(jnp.asarray(loops), kind=kind, base_format=fmt)
+        assert_trees_same_bytes(code, ref, f"loops {tag}")
+        found = collectives(enc, loops_s)
+        n = len(code.residuals) + 1
+        if fmt == "nvfp4":  # one max and one AND per packed loop (maybe batched by XLA)
+            assert {f[2] for f in found} == {"reduce_max", "reduce_and"}, (tag, found)
+            assert all(f[1] == "all-reduce" for f in found) and len(found) <= 2 * n, found
+        else:
+            assert found == [], (tag, found)
+        report[f"encode_loops {tag}"] = found
+        dec = jax.jit(kvq_jax.decode_loops)
+        recon = dec(code)
+        head_sharded(recon, 2, f"decode_loops {tag}")
+        assert_same_bytes(recon, kvq_jax.decode_loops(ref))
+        assert collectives(dec, code) == [], tag
+        # pack_paged / unpack_paged
+        ppack = jax.jit(functools.partial(kvq_jax.pack_paged, kind=kind, format=fmt))
+        ppacked = ppack(pages_s)
+        check_packed(ppacked, 2, f"paged {tag}")
+        pref = kvq_jax.pack_paged(jnp.asarray(pages), kind=kind, format=fmt)
+        assert_trees_same_bytes(ppacked, pref, f"paged {tag}")
+        found = collectives(ppack, pages_s)
+        assert found == expected(fmt, "[3]"), (tag, found)
+        report[f"pack_paged {tag}"] = found
+        punpack = jax.jit(kvq_jax.unpack_paged)
+        pout = punpack(ppacked)
+        head_sharded(pout, 2, f"unpack_paged {tag}")
+        assert_same_bytes(pout, kvq_jax.unpack_paged(pref))
+        assert collectives(punpack, ppacked) == [], tag
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_head_sharding_is_collective_free_except_nvfp4_global_scale():
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (tests_dir, os.path.dirname(tests_dir), env.get("PYTHONPATH")) if p
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-10000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line.removeprefix("REPORT "))
+    for name, found in report.items():
+        if "nvfp4" in name:  # the format's own cross-head reductions, and nothing else
+            assert found and all(f[1] == "all-reduce" for f in found), (name, found)
+        else:
+            assert found == [], (name, found)
