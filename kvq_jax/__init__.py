@@ -3,8 +3,10 @@
     packed = kvq_jax.pack_kv(values, kind="key", format="int4")
     values_hat = kvq_jax.unpack_kv(packed)
 
+Loop stacks: `encode_loops` / `decode_loops` / `decode_loop`; single residuals:
+`encode_residual` / `decode_residual`; serving pages: `pack_paged` / `unpack_paged`.
 `kvq_jax.oracle` is the plain-Python scalar reference that every implementation is tested
-against; it does not import JAX.
+against (it does not use JAX), and `kvq_jax.conformance` ships its vectors.
 """
 
 from kvq_jax.api import pack_kv, unpack_kv

@@ -2,8 +2,8 @@
 
 A codec turns a [T, H, D] bf16/fp16/fp32 tensor into a `PackedKV` and back. Its `pack` and
 `unpack` are the *reference* (XLA) paths: `unpack` materializes the dequantized tensor, which a
-serving attention kernel never does (it dequantizes in registers). Kernels live in
-`kvq_jax.kernels` and are checked against these paths byte for byte.
+serving attention kernel never does (it dequantizes in registers). Any kernel is held to these
+paths, and to the scalar oracle, byte for byte (`kvq conformance`).
 """
 
 from __future__ import annotations
