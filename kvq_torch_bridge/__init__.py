@@ -19,6 +19,8 @@ from kvq_torch_bridge.codec import Codec
 from kvq_torch_bridge.loops import LoopCode, decode_loop, decode_loops, encode_loops
 from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
 from kvq_torch_bridge.paged import pack_paged, unpack_paged
+from kvq_torch_bridge.paged_attention import dense_decode_attention, paged_decode_attention
+from kvq_torch_bridge.paged_cache import PagedKVCache
 from kvq_torch_bridge.registry import CODECS, get_codec, register_codec, unregister_codec
 from kvq_torch_bridge.residual import decode_residual, encode_residual, validate_positions
 
@@ -46,11 +48,13 @@ __all__ = [
     "KVResidual",
     "LoopCode",
     "PackedKV",
+    "PagedKVCache",
     "Window",
     "WindowedKV",
     "decode_loop",
     "decode_loops",
     "decode_residual",
+    "dense_decode_attention",
     "encode_loops",
     "encode_residual",
     "format_for_kv_cache_dtype",
@@ -59,6 +63,7 @@ __all__ = [
     "jax_to_torch",
     "pack_kv",
     "pack_paged",
+    "paged_decode_attention",
     "register_codec",
     "to_torch",
     "torch_to_jax",

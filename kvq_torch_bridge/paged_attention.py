@@ -1,0 +1,120 @@
+"""Decode attention over a torch `PagedKVCache` (mirrors kvq_jax.paged_attention): the
+reference, not a kernel.
+
+`paged_decode_attention` reconstructs every sequence's K and V (`paged_cache.reconstruct`,
+vectorized over the batch, masked to the block-table length) and runs `dense_decode_attention`
+on them, so it equals dense attention on the reconstructed KV by construction. The products
+are float32 multiplies and sums (no matmul), so the result does not depend on Torch's TF32
+settings; it matches kvq_jax's (HIGHEST precision) to float32 round-off, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kvq_jax.paged_attention import _check_q
+from kvq_jax.paged_cache import _check_block_tables, _check_int32, _check_loop
+from kvq_torch_bridge.paged_cache import (
+    PagedKVCache,
+    _check_cache,
+    _index_tensor,
+    _meta,
+    reconstruct,
+)
+
+__all__ = ["dense_decode_attention", "gather_batch", "paged_decode_attention"]
+
+
+@torch.no_grad()
+def dense_decode_attention(q, k, v, seq_lens) -> torch.Tensor:
+    """One query token per sequence over unquantized KV (kvq_jax's `dense_decode_attention`).
+
+    Args:
+      q: torch [B, Hq, D]; Hq a multiple of H (GQA: query head i reads KV head i // (Hq // H)).
+      k, v: torch [B, T, H, D] on q's device.
+      seq_lens: int32 [B], 1 <= seq_lens <= T; tokens >= seq_len are masked out.
+
+    Returns softmax(q k^T / sqrt(D)) v as float32 [B, Hq, D], computed in float32 (a sequence
+    with seq_len 0 gives NaN).
+    """
+    q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
+    if k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"k, v must both be [B, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    b, t, h, d = k.shape
+    bq, hq = _check_q(q, h, d)
+    if bq != b:
+        raise ValueError(f"q has B = {bq} but k, v have B = {b}")
+    _check_int32(_meta(seq_lens), "seq_lens", 1)
+    if np.shape(_meta(seq_lens))[0] != b:
+        raise ValueError(f"seq_lens has {np.shape(_meta(seq_lens))[0]} entries, expected B = {b}")
+    device = k.device
+    g = hq // h
+    qf = q.to(device=device, dtype=torch.float32).reshape(b, h, g, 1, d)
+    kf = k.to(torch.float32).permute(0, 2, 1, 3)[:, :, None]  # [B, H, 1, T, D]
+    vf = v.to(torch.float32).permute(0, 2, 1, 3)[:, :, None]
+    scores = (qf * kf).sum(dim=-1)  # [B, H, G, T]
+    scores = scores * torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32, device=device)
+    lens = _index_tensor(seq_lens, device).to(torch.int64)
+    mask = torch.arange(t, device=device)[None, :] < lens[:, None]  # [B, T]
+    scores = torch.where(mask[:, None, None, :], scores, -torch.inf)
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs[..., None] * vf).sum(dim=-2)  # [B, H, G, D]
+    return out.reshape(b, hq, d)
+
+
+@torch.no_grad()
+def gather_batch(cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None):
+    """Reconstructed K, V of a batch: [B, max_pages_per_seq * page_size, H, D] each, rows
+    >= seq_lens[b] zero (the inputs `paged_decode_attention` attends over)."""
+    config = _check_cache(cache)
+    loop = _check_loop(config, loop)
+    max_pages = _check_block_tables(config, _meta(block_tables))
+    _check_int32(_meta(seq_lens), "seq_lens", 1)
+    b = np.shape(_meta(seq_lens))[0]
+    device = cache.device
+    if seq_ids is None:
+        if b > config.max_seqs:
+            raise ValueError(f"B = {b} exceeds max_seqs = {config.max_seqs}; pass seq_ids")
+        seq_ids = torch.arange(b, dtype=torch.int32, device=device)
+    _check_int32(_meta(seq_ids), "seq_ids", 1)
+    if np.shape(_meta(seq_ids))[0] != b:
+        raise ValueError(f"seq_ids has {np.shape(_meta(seq_ids))[0]} entries but seq_lens has {b}")
+    seq_ids, tables = _index_tensor(seq_ids, device), _index_tensor(block_tables, device)
+    # tables.at[seq].get(mode="fill", fill_value=-1): out-of-range slots read page -1 (clamped
+    # to page 0 by reconstruct; their stored length is read from the clamped slot).
+    ids = seq_ids.to(torch.int64)
+    ids = torch.where(ids < 0, ids + config.max_seqs, ids)
+    valid = (ids >= 0) & (ids < config.max_seqs)
+    rows = tables[ids.clamp(0, config.max_seqs - 1)]
+    rows = torch.where(valid[:, None], rows, torch.full_like(rows, -1))
+    return reconstruct(
+        cache,
+        seq_ids=seq_ids,
+        lengths=_index_tensor(seq_lens, device),
+        table_rows=rows,
+        loop=loop,
+        max_pages=max_pages,
+    )
+
+
+@torch.no_grad()
+def paged_decode_attention(
+    q, cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None
+) -> torch.Tensor:
+    """Decode attention of q [B, Hq, D] (one token per sequence) over loop `loop` of the paged
+    cache; float32 [B, Hq, D] (kvq_jax's `paged_decode_attention`, see it for the arguments).
+    seq_lens are not checked against the cache (no host sync). Reference path: `gather_batch`
+    then `dense_decode_attention`."""
+    config = _check_cache(cache)
+    _check_q(q, config.num_heads, config.head_dim)
+    if np.shape(q)[0] != np.shape(_meta(seq_lens))[0]:
+        raise ValueError(
+            f"q has B = {np.shape(q)[0]} but seq_lens has {np.shape(_meta(seq_lens))[0]}"
+        )
+    k, v = gather_batch(cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids)
+    return dense_decode_attention(q, k, v, seq_lens)
