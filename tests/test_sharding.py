@@ -24,7 +24,7 @@ import sys
 
 DEVICES = 4
 
-SCRIPT = r"""
+COMMON = r"""
 import functools, json, re
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -34,7 +34,7 @@ from helpers import assert_same_bytes, assert_trees_same_bytes
 assert jax.device_count() == 4, jax.devices()
 mesh = Mesh(np.array(jax.devices()), ("heads",))
 COLLECTIVE = re.compile(
-    r"=\s*(\S+)\s+(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+    r"=\s*(\([^)]*\)|\S+)\s+(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
     r"(?:-start)?\(.*?op_name=\"[^\"]*?(\w+)\""
 )
 ANY_COLLECTIVE = re.compile(
@@ -72,7 +72,11 @@ def expected(fmt, shape):
         (f"pred{shape}", "all-reduce", "reduce_and"),
     ]
 
+"""
 
+SCRIPT = (
+    COMMON
+    + r"""
 rng = np.random.default_rng(0)
 x = rng.standard_normal((32, 8, 64)).astype(np.float32)
 loops = rng.standard_normal((3, 32, 8, 64)).astype(np.float32)
@@ -137,9 +141,112 @@ for fmt in ("int4", "nvfp4", "fp8_e4m3"):
         assert collectives(punpack, ppacked) == [], tag
 print("REPORT " + json.dumps(report))
 """
+)
 
 
-def test_head_sharding_is_collective_free_except_nvfp4_global_scale():
+PAGED_SCRIPT = (
+    COMMON
+    + r"""
+import dataclasses
+from kvq_jax.paged_attention import paged_decode_attention
+from kvq_jax.paged_cache import PagedCacheConfig, append, init_cache
+
+B, H, HQ, D, PS = 2, 8, 16, 64, 16
+rng = np.random.default_rng(1)
+tables = np.array([[5, 0, 3], [1, 6, 2]], np.int32)  # non-contiguous physical pages
+ids = np.arange(B, dtype=np.int32)
+prompt = rng.standard_normal((2, 2, B, 20, H, D)).astype(np.float32)  # [loop, k/v, B, n, H, D]
+prompt[:, :, 1] *= 50  # per-page global scales differ
+token = rng.standard_normal((2, 2, B, 1, H, D)).astype(np.float32)
+q = rng.standard_normal((B, HQ, D)).astype(np.float32)
+lens = np.array([21, 17], np.int32)
+rep = NamedSharding(mesh, P())
+
+
+def leaf_sharding(a, batch):
+    # A PackedKV array with `batch` leading axes: the global scale (rank == batch) is
+    # replicated, every other array has its head axis right after the page's first axis.
+    if a.ndim == batch:
+        return rep
+    return NamedSharding(mesh, P(*([None] * (batch + 1)), "heads"))
+
+
+def cache_shardings(cache):
+    nl = NamedSharding(mesh, P(None, None, None, "heads"))  # staging / sink [L, S, n, H, D]
+    return dataclasses.replace(
+        cache,
+        k_base=jax.tree.map(lambda a: leaf_sharding(a, 1), cache.k_base),
+        v_base=jax.tree.map(lambda a: leaf_sharding(a, 1), cache.v_base),
+        k_delta=jax.tree.map(lambda a: leaf_sharding(a, 2), cache.k_delta),
+        v_delta=jax.tree.map(lambda a: leaf_sharding(a, 2), cache.v_delta),
+        k_stage=nl, v_stage=nl, k_sink=nl, v_sink=nl, seq_lens=rep,
+    )
+
+
+def check_cache(cache, what):
+    want = cache_shardings(cache)
+    for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(cache), jax.tree.leaves(want)):
+        if s is rep:
+            assert a.sharding.is_fully_replicated, (what, path, a.sharding)
+        else:
+            head_sharded(a, list(s.spec).index("heads"), f"{what}{jax.tree_util.keystr(path)}")
+
+
+def flat(found):
+    # XLA may combine all-reduces into one over a tuple "(f32[4], f32[4])": one entry each.
+    return sorted((s, c, r) for shape, c, r in found for s in shape.strip("()").split(", "))
+
+
+report = {}
+for fmt in ("int4", "nvfp4"):
+    config = PagedCacheConfig(
+        num_pages=8, page_size=PS, num_heads=H, head_dim=D, num_loops=2, sink=2, max_seqs=B,
+        k_base_format=fmt, k_residual_format=fmt, v_base_format=fmt, v_residual_format=fmt,
+    )
+    empty = init_cache(config)
+    cache_s = jax.device_put(empty, cache_shardings(empty))
+    cache_u = empty
+    kv_s = NamedSharding(mesh, P(None, None, "heads", None))
+    for step, data in (("prefill", prompt), ("decode", token)):
+        n = data.shape[3]
+        for loop in (0, 1):
+            tag = f"append {fmt} {step} loop {loop}"
+            f = jax.jit(
+                lambda c, k, v, bt, i, loop=loop: append(
+                    c, k, v, block_tables=bt, seq_ids=i, loop=loop
+                )
+            )
+            k, v = data[loop]
+            args_s = (cache_s, jax.device_put(k, kv_s), jax.device_put(v, kv_s), tables, ids)
+            cache_s = f(*args_s)
+            cache_u = f(cache_u, k, v, tables, ids)
+            check_cache(cache_s, tag)
+            assert_trees_same_bytes(cache_s, cache_u, tag)
+            found = flat(collectives(f, *args_s))
+            # NVFP4: for K and for V, one float32 max and one pred AND over the pages this
+            # call may complete (B x ceil(n / PS)); for loop 1 nothing more (decoding loop 0's
+            # pages is collective-free).
+            pages = B * -(-n // PS)
+            want = sorted(2 * expected(fmt, f"[{pages}]"))
+            assert found == want, (tag, found)
+            report[tag] = found
+    qs = jax.device_put(q, NamedSharding(mesh, P(None, "heads", None)))
+    for loop in (0, 1):
+        tag = f"paged_decode_attention {fmt} loop {loop}"
+        g = jax.jit(lambda q, c, bt, sl, loop=loop: paged_decode_attention(q, c, bt, sl, loop=loop))
+        out = g(qs, cache_s, tables, lens)
+        head_sharded(out, 1, tag)
+        assert_same_bytes(out, g(q, cache_u, tables, lens), tag)
+        found = collectives(g, qs, cache_s, tables, lens)
+        assert found == [], (tag, found)
+        report[tag] = found
+print("REPORT " + json.dumps(report))
+"""
+)
+
+
+def _run(script: str) -> dict:
+    """Run `script` on 4 virtual CPU devices; return its REPORT line's JSON."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
@@ -150,7 +257,7 @@ def test_head_sharding_is_collective_free_except_nvfp4_global_scale():
         p for p in (tests_dir, os.path.dirname(tests_dir), env.get("PYTHONPATH")) if p
     )
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", script],
         env=env,
         capture_output=True,
         text=True,
@@ -159,9 +266,27 @@ def test_head_sharding_is_collective_free_except_nvfp4_global_scale():
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-10000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
-    report = json.loads(line.removeprefix("REPORT "))
+    return json.loads(line.removeprefix("REPORT "))
+
+
+def test_head_sharding_is_collective_free_except_nvfp4_global_scale():
+    report = _run(SCRIPT)
     for name, found in report.items():
         if "nvfp4" in name:  # the format's own cross-head reductions, and nothing else
+            assert found and all(f[1] == "all-reduce" for f in found), (name, found)
+        else:
+            assert found == [], (name, found)
+
+
+def test_paged_cache_append_and_attention_are_head_sharded():
+    """`append` (prefill and decode, loops 0 and 1) and `paged_decode_attention` with every
+    page / staging / sink array of the cache sharded over its head axis: outputs stay sharded,
+    bytes equal the unsharded run, and the only collectives are NVFP4's per-page global-scale
+    all-reduces (asserted exactly in the subprocess)."""
+    report = _run(PAGED_SCRIPT)
+    assert len(report) == 2 * (4 + 2), sorted(report)
+    for name, found in report.items():
+        if "nvfp4" in name and name.startswith("append"):
             assert found and all(f[1] == "all-reduce" for f in found), (name, found)
         else:
             assert found == [], (name, found)
