@@ -81,15 +81,21 @@ def _check_positions_static(positions, rows: int, num_tokens: int):
     if positions is None:
         return None
     positions = jnp.asarray(positions)
-    if positions.ndim != 1:
-        raise ValueError(f"positions must be rank 1 [N], got shape {positions.shape}")
-    if positions.dtype != jnp.int32:
-        raise TypeError(f"positions must have dtype int32, got {positions.dtype}")
-    if positions.shape[0] != rows:
-        raise ValueError(f"positions has {positions.shape[0]} entries but current has {rows} rows")
+    check_positions_layout(positions.shape, positions.dtype, rows, num_tokens)
+    return positions
+
+
+def check_positions_layout(shape, dtype, rows: int, num_tokens: int) -> None:
+    """Rank, dtype and length of a position map for `rows` compact rows of a `num_tokens`
+    loop, from its shape and (numpy-comparable) dtype alone; shared by both stacks."""
+    if len(shape) != 1:
+        raise ValueError(f"positions must be rank 1 [N], got shape {tuple(shape)}")
+    if np.dtype(dtype) != np.int32:
+        raise TypeError(f"positions must have dtype int32, got {np.dtype(dtype)}")
+    if shape[0] != rows:
+        raise ValueError(f"positions has {shape[0]} entries but current has {rows} rows")
     if rows > num_tokens:
         raise ValueError(f"positions has {rows} entries, more than the {num_tokens} tokens")
-    return positions
 
 
 def _check_pair(current, previous, positions):

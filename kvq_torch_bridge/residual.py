@@ -16,7 +16,7 @@ import torch
 
 from kvq_jax import residual as _jax_residual
 from kvq_jax.window import Window, check_window, split_rows
-from kvq_torch_bridge._dtypes import dtype_name
+from kvq_torch_bridge._dtypes import dtype_name, numpy_dtype
 from kvq_torch_bridge._numerics import add_in_dtype, subtract_in_dtype
 from kvq_torch_bridge.api import own_rows, pack_kv, unpack_kv
 from kvq_torch_bridge.codec import check_values
@@ -36,14 +36,8 @@ def _check_positions_static(positions, rows: int, num_tokens: int, device):
     if positions is None:
         return None
     positions = _as_index_tensor(positions, device)
-    if positions.ndim != 1:
-        raise ValueError(f"positions must be rank 1 [N], got shape {tuple(positions.shape)}")
-    if positions.dtype != torch.int32:
-        raise TypeError(f"positions must have dtype int32, got {dtype_name(positions.dtype)}")
-    if positions.shape[0] != rows:
-        raise ValueError(f"positions has {positions.shape[0]} entries but current has {rows} rows")
-    if rows > num_tokens:
-        raise ValueError(f"positions has {rows} entries, more than the {num_tokens} tokens")
+    dtype = numpy_dtype(positions.dtype) or dtype_name(positions.dtype)
+    _jax_residual.check_positions_layout(tuple(positions.shape), dtype, rows, num_tokens)
     return positions
 
 
