@@ -67,6 +67,31 @@ def _resolve_positions(positions, num_residuals: int) -> tuple:
     return tuple(positions)
 
 
+def resolve_loop_args(
+    shape,
+    base_format,
+    residual_format,
+    group_size,
+    residual_group_size,
+    positions,
+    window,
+    get_codec,
+):
+    """Static arguments of `encode_loops` for a stack of `shape`, checked and defaulted;
+    `get_codec` is the calling stack's registry lookup (validates the format names).
+    Returns (residual_format, residual_group_size, positions per later loop, window)."""
+    residual_format = base_format if residual_format is None else residual_format
+    get_codec(base_format)
+    get_codec(residual_format)
+    r_group = _residual_group_size(base_format, residual_format, group_size, residual_group_size)
+    return (
+        residual_format,
+        r_group,
+        _resolve_positions(positions, shape[0] - 1),
+        check_window(window),
+    )
+
+
 def _residual_group_size(base_format, residual_format, group_size, residual_group_size):
     if residual_group_size is not None:
         return residual_group_size
@@ -143,11 +168,16 @@ def _encode_loops(
     loops = jnp.asarray(loops)
     check_loop_stack(loops.shape)
     check_float_dtype(loops.dtype, "loops.dtype")
-    residual_format = base_format if residual_format is None else residual_format
-    get_codec(base_format), get_codec(residual_format)
-    window = check_window(window)
-    r_group = _residual_group_size(base_format, residual_format, group_size, residual_group_size)
-    positions = _resolve_positions(positions, loops.shape[0] - 1)
+    residual_format, r_group, positions, window = resolve_loop_args(
+        loops.shape,
+        base_format,
+        residual_format,
+        group_size,
+        residual_group_size,
+        positions,
+        window,
+        get_codec,
+    )
 
     base = pack_kv(
         loops[0], kind=kind, format=base_format, group_size=group_size, axis=axis, window=window

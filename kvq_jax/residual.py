@@ -98,22 +98,30 @@ def check_positions_layout(shape, dtype, rows: int, num_tokens: int) -> None:
         raise ValueError(f"positions has {rows} entries, more than the {num_tokens} tokens")
 
 
-def _check_pair(current, previous, positions):
-    current, previous = jnp.asarray(current), jnp.asarray(previous)
-    (n, h, d), dtype = check_values(current, "current")
-    (t, hp, dp), dtype_p = check_values(previous, "previous")
+def check_pair_layout(current, previous, dense: bool) -> tuple[int, int]:
+    """`current` and `previous` are (shape, dtype) pairs (from check_values); raise unless they
+    can form a residual; return (N, T). Shared by the JAX and Torch encoders."""
+    ((n, h, d), dtype), ((t, hp, dp), dtype_p) = current, previous
     if dtype != dtype_p:
         raise TypeError(f"current.dtype {dtype} != previous.dtype {dtype_p}")
     if (h, d) != (hp, dp):
         raise ValueError(
-            f"current [N, H, D] = {current.shape} does not match "
-            f"previous [T, H, D] = {previous.shape} in H, D"
+            f"current [N, H, D] = {(n, h, d)} does not match "
+            f"previous [T, H, D] = {(t, hp, dp)} in H, D"
         )
-    if positions is None and n != t:
+    if dense and n != t:
         raise ValueError(
             f"dense residual: current has {n} rows but previous has {t} "
             f"(pass positions for a sparse residual)"
         )
+    return n, t
+
+
+def _check_pair(current, previous, positions):
+    current, previous = jnp.asarray(current), jnp.asarray(previous)
+    n, t = check_pair_layout(
+        check_values(current, "current"), check_values(previous, "previous"), positions is None
+    )
     return current, previous, _check_positions_static(positions, n, t)
 
 

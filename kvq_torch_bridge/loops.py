@@ -14,8 +14,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kvq_jax.containers import LoopCodeMixin
-from kvq_jax.loops import _residual_group_size, _resolve_positions, check_loop_stack
-from kvq_jax.window import Window, check_window
+from kvq_jax.loops import check_loop_stack, resolve_loop_args
+from kvq_jax.window import Window
 from kvq_torch_bridge.api import pack_kv, unpack_kv
 from kvq_torch_bridge.codec import check_float_dtype
 from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
@@ -71,11 +71,16 @@ def encode_loops(
         raise TypeError(f"loops must be a torch.Tensor, got {type(loops).__name__}")
     check_loop_stack(loops.shape)
     check_float_dtype(loops.dtype, "loops.dtype")
-    residual_format = base_format if residual_format is None else residual_format
-    get_codec(base_format), get_codec(residual_format)
-    window = check_window(window)
-    r_group = _residual_group_size(base_format, residual_format, group_size, residual_group_size)
-    positions = _resolve_positions(positions, loops.shape[0] - 1)
+    residual_format, r_group, positions, window = resolve_loop_args(
+        loops.shape,
+        base_format,
+        residual_format,
+        group_size,
+        residual_group_size,
+        positions,
+        window,
+        get_codec,
+    )
 
     base = pack_kv(
         loops[0], kind=kind, format=base_format, group_size=group_size, axis=axis, window=window

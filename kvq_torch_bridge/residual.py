@@ -42,20 +42,9 @@ def _check_positions_static(positions, rows: int, num_tokens: int, device):
 
 
 def _check_pair(current, previous, positions):
-    (n, h, d), dtype = check_values(current, "current")
-    (t, hp, dp), dtype_p = check_values(previous, "previous")
-    if dtype != dtype_p:
-        raise TypeError(f"current.dtype {dtype} != previous.dtype {dtype_p}")
-    if (h, d) != (hp, dp):
-        raise ValueError(
-            f"current [N, H, D] = {tuple(current.shape)} does not match "
-            f"previous [T, H, D] = {tuple(previous.shape)} in H, D"
-        )
-    if positions is None and n != t:
-        raise ValueError(
-            f"dense residual: current has {n} rows but previous has {t} "
-            f"(pass positions for a sparse residual)"
-        )
+    n, t = _jax_residual.check_pair_layout(
+        check_values(current, "current"), check_values(previous, "previous"), positions is None
+    )
     return _check_positions_static(positions, n, t, previous.device)
 
 
