@@ -11,6 +11,7 @@ dispatch never hides device time. Times are wall-clock (`time.perf_counter`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -140,3 +141,27 @@ def write_json(path: str, header: str, rows: Sequence[dict], **extra) -> None:
     with open(path, "w") as f:
         json.dump({"header": header, **extra, "rows": list(rows)}, f, indent=2)
         f.write("\n")
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every kvq benchmark takes: --quick, --repeats N, --json PATH."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per case")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    return parser
+
+
+def repeat_counts(args, *, quick: tuple[int, int], full: tuple[int, int]) -> tuple[int, int]:
+    """(warmup, repeats) for --quick or a full run; --repeats overrides the repeats."""
+    warmup, repeats = quick if args.quick else full
+    return warmup, repeats if args.repeats is None else args.repeats
+
+
+def report(args, header: str, rows: Sequence[dict], columns, **extra) -> None:
+    """Print the table and, with --json, write the rows too."""
+    print()
+    print_table(rows, columns)
+    if args.json:
+        write_json(args.json, header, rows, **extra)
+        print(f"\nwrote {args.json}")

@@ -11,7 +11,6 @@ and written once) timed in the same process: 2.0 means twice as long as the copy
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import pathlib
@@ -97,14 +96,8 @@ def bench_shape(shape, *, warmup: int, repeats: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per case")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args(argv)
-    warmup, repeats = (1, 3) if args.quick else (3, 15)
-    if args.repeats is not None:
-        repeats = args.repeats
+    args = _timing.bench_parser(__doc__).parse_args(argv)
+    warmup, repeats = _timing.repeat_counts(args, quick=(1, 3), full=(3, 15))
 
     header = _timing.device_header()
     print(header)
@@ -116,11 +109,7 @@ def main(argv=None) -> int:
     rows = []
     for shape in SHAPES:
         rows += bench_shape(shape, warmup=warmup, repeats=repeats)
-    print()
-    _timing.print_table(rows, COLUMNS)
-    if args.json:
-        _timing.write_json(args.json, header, rows, warmup=warmup, repeats=repeats)
-        print(f"\nwrote {args.json}")
+    _timing.report(args, header, rows, COLUMNS, warmup=warmup, repeats=repeats)
     return 0
 
 

@@ -35,7 +35,6 @@ max |ref| of the attention output against the bf16 baseline on the same (unquant
 
 from __future__ import annotations
 
-import argparse
 import functools
 import pathlib
 import sys
@@ -220,14 +219,12 @@ def bench(args, warmup: int, repeats: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser = _timing.bench_parser(__doc__)
     parser.add_argument("--context", type=int, default=4096, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=8, help="sequences")
     parser.add_argument("--loops", type=int, default=4, help="loops in the cache (times 0, L-1)")
     args = parser.parse_args(argv)
-    warmup, repeats = (1, 5) if args.quick else (2, 15)
+    warmup, repeats = _timing.repeat_counts(args, quick=(1, 5), full=(2, 15))
 
     header = _timing.device_header()
     print(header)
@@ -238,11 +235,7 @@ def main(argv=None) -> int:
         f"(same loop); attention = reconstruct-then-attend reference path"
     )
     rows = bench(args, warmup, repeats)
-    print()
-    _timing.print_table(rows, COLUMNS)
-    if args.json:
-        _timing.write_json(args.json, header, rows, warmup=warmup, repeats=repeats, **vars(args))
-        print(f"\nwrote {args.json}")
+    _timing.report(args, header, rows, COLUMNS, warmup=warmup, repeats=repeats, **vars(args))
     return 0
 
 

@@ -13,7 +13,6 @@ same bytes in the same process. Reconstruction error of every loop is printed as
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import pathlib
@@ -132,14 +131,8 @@ def _flatten(fn_and_args):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per case")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args(argv)
-    warmup, repeats = (1, 3) if args.quick else (2, 10)
-    if args.repeats is not None:
-        repeats = args.repeats
+    args = _timing.bench_parser(__doc__).parse_args(argv)
+    warmup, repeats = _timing.repeat_counts(args, quick=(1, 3), full=(2, 10))
     header = _timing.device_header()
     print(header)
     print(
@@ -147,11 +140,7 @@ def main(argv=None) -> int:
         f"{repeats} runs after {warmup} warm-up"
     )
     rows = bench(warmup=warmup, repeats=repeats)
-    print()
-    _timing.print_table(rows, COLUMNS)
-    if args.json:
-        _timing.write_json(args.json, header, rows, warmup=warmup, repeats=repeats)
-        print(f"\nwrote {args.json}")
+    _timing.report(args, header, rows, COLUMNS, warmup=warmup, repeats=repeats)
     return 0
 
 

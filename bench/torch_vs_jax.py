@@ -29,7 +29,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import math
@@ -452,11 +451,8 @@ def bench_handoff(
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per codec case")
+    parser = _timing.bench_parser(__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     # Full: up to 15 timed runs per measurement, stopping after ~2 s of them (never fewer
     # than 3): JAX's ms-scale cases get 15, Torch's multi-second ones 3. Quick: one run.
