@@ -1,9 +1,10 @@
 """The Torch codec (`kvq_torch_bridge`) against the scalar oracle and against kvq_jax.
 
 Every stored array must have the oracle's (and kvq_jax's) bytes, and decoded tensors the same
-bytes except that a decoded NaN matches any NaN. Hand-built inputs assert their own
-construction (ties really are ties), the expected bytes always come from the oracle or from
-kvq_jax, never from the Torch code under test.
+bytes except that a decoded NaN matches any NaN. The inputs (random distributions and
+hand-built edge cases) come from `codec_cases`, shared with the kvq_jax tests: hand-built
+inputs assert their own construction (ties really are ties), and the expected bytes always
+come from the oracle or from kvq_jax, never from the Torch code under test.
 
 Device: the tests that take `device` run on CPU and, with `--run-gpu` on a CUDA machine, on
 CUDA as well. JAX compile budget: kvq_jax compiles once per (format, layout, shape, dtype), so
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,30 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from codec_cases import (
+    AXIS_OF,
+    BF16,
+    DISTS,
+    DTYPES,
+    E2M1_GRID,
+    E2M1_MIDPOINTS,
+    E4M3,
+    E4M3_MIDPOINTS,
+    E4M3_VALUES,
+    EDGE_CASES,
+    F16,
+    F32,
+    FORMATS,
+    G4,
+    KINDS,
+    SPECIALS,
+    cast,
+    edge_case_grid,
+    ftz,
+    mixed_values,
+    random_values,
+    seed,
+)
 from helpers import (
     assert_same_bytes,
     assert_same_values,
@@ -42,58 +66,14 @@ from kvq_torch_bridge import packed as tpacked
 from kvq_torch_bridge import registry as treg
 from kvq_torch_bridge import residual as tres
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F16 = np.dtype(np.float16)
-F32 = np.dtype(np.float32)
-DTYPES = (BF16, F16, F32)
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-FORMATS = ("int4", "nvfp4", "fp8_e4m3")
-KINDS = ("key", "value")
-AXIS_OF = {"key": "tokens", "value": "channels"}
 TORCH_OF = {BF16: torch.bfloat16, F16: torch.float16, F32: torch.float32}
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
-#: Hand-built tensors: T = 40 and D = 37 leave partial groups for G = 16 on both axes.
+#: Hand-built tensors (codec_cases constructors take it as `shape`): T = 40 and D = 37 leave
+#: partial groups for G = 16 on both axes; two heads (kvq_jax's tests use three) keep the
+#: Torch runs short.
 SHAPE = (40, 2, 37)
-G4 = 16
-TINY = np.float32(2.0**-126)
-F32_MAX = float(np.finfo(np.float32).max)
-ONE_SIXTH = np.float32(1.0) / np.float32(6.0)
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_MIDPOINTS = tuple(m for m, _ in spec.E2M1_MIDPOINTS)
-E4M3_VALUES = np.arange(127, dtype=np.uint8).view(E4M3).astype(np.float64)
-E4M3_MIDPOINTS = (E4M3_VALUES[:-1] + E4M3_VALUES[1:]) / 2
-
-
-def _seed(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def _ftz(a) -> np.ndarray:
-    a = np.asarray(a, np.float32)
-    return np.where(np.abs(a) < TINY, np.copysign(np.float32(0.0), a), a)
-
-
-def _exact(values, dtype) -> np.ndarray:
-    """Values -> array of `dtype`, asserting that every value is represented exactly."""
-    a = np.asarray(values, np.float64)
-    out = a.astype(np.float32).astype(dtype)
-    back = out.astype(np.float64)
-    same = ((back == a) & (np.signbit(back) == np.signbit(a))) | (np.isnan(a) & np.isnan(back))
-    assert same.all(), f"not exact in {dtype}: {a[~same]}"
-    return out
-
-
-def _cast(values, dtype) -> np.ndarray:
-    """Values -> `dtype`, rounded (out-of-range values become +-inf on purpose)."""
-    with np.errstate(over="ignore"):
-        return np.asarray(values, np.float64).astype(np.float32).astype(dtype)
-
-
-def _next(a, dtype, toward) -> np.ndarray:
-    a = np.asarray(a, dtype)
-    return np.nextafter(a, np.full(a.shape, toward, dtype))
 
 
 # ------------------------------------------------------------------------------------------
@@ -232,431 +212,19 @@ def check_jax(x, fmt, kind, *, group_size=None, axis=None, device="cpu", what=""
 
 
 # ------------------------------------------------------------------------------------------
-# random data
+# hand-built edge cases (codec_cases.EDGE_CASES; INT4 with G = 16)
 
-
-DISTS = ("normal", "heavy", "offsets", "int4_ties", "e2m1", "e4m3", "magnitudes")
-
-
-def random_values(rng, shape, dtype, dist, zeros=0.05) -> np.ndarray:
-    """Random [T, H, D] data of `dtype` from `dist`, with a fraction of signed zeros."""
-    t, h, d = shape
-    if dist == "normal":
-        x = rng.standard_normal(shape)
-    elif dist == "heavy":  # Student t (df 1.2): outliers of 1e3..1e5
-        x = rng.standard_t(1.2, shape)
-    elif dist == "offsets":  # keys: per-channel magnitudes and offsets
-        x = rng.standard_normal(shape) * 2.0 ** rng.integers(-6, 7, d) + rng.normal(0, 20, d)
-    elif dist == "int4_ties":  # (x - mn) / scale lands on k + 0.5
-        k = rng.choice(np.r_[0, 15, np.arange(15) + 0.5], size=shape, p=[0.2, 0.2] + [0.04] * 15)
-        x = rng.choice([0.0, -3.0, 1.5, -40.0]) + k * 2.0 ** rng.integers(-3, 3)
-    elif dist == "e2m1":  # E2M1 grid and midpoints; 21 * 2**k fixes g = 2**(7 - k)
-        scale = 2.0 ** rng.integers(-4, 4)
-        x = rng.choice(np.r_[E2M1_GRID, E2M1_MIDPOINTS], shape) * scale
-        x *= rng.choice([-1.0, 1.0], shape)
-        if x.size:
-            x.flat[rng.integers(x.size)] = 21.0 * scale
-    elif dist == "e4m3":  # E4M3 values and midpoints; every row holds +-448 * 2**k
-        scale = 2.0 ** rng.integers(-6, 6)
-        x = rng.choice(np.r_[E4M3_VALUES, E4M3_MIDPOINTS], shape) * scale
-        x *= rng.choice([-1.0, 1.0], shape)
-        if x.size:
-            where = rng.integers(d, size=(t, h, 1))
-            np.put_along_axis(x, where, 448.0 * scale * rng.choice([-1.0, 1.0], (t, h, 1)), 2)
-    elif dist == "magnitudes":  # one random binade, from flushed to near the float32 max
-        x = rng.standard_normal(shape) * 2.0 ** float(rng.integers(-150, 126))
-    else:
-        raise ValueError(dist)
-    top = float(ml_dtypes.finfo(dtype).max)
-    x = np.clip(x, -top, top)
-    if zeros:
-        x = np.where(rng.random(shape) < zeros, rng.choice([0.0, -0.0], shape), x)
-    return _cast(x, dtype)
-
-
-def mixed_values(rng, shape, dtype) -> np.ndarray:
-    """Token blocks drawn from different distributions."""
-    dists = [d for d in DISTS if d != "magnitudes"]
-    x = np.zeros(shape, dtype)
-    for idx, dist in zip(np.array_split(np.arange(shape[0]), len(dists)), dists, strict=True):
-        x[idx] = random_values(rng, (len(idx), *shape[1:]), dtype, dist)
-    return x
-
-
-# ------------------------------------------------------------------------------------------
-# laying hand-built groups out in tensors
-
-
-def _slots(axis: str, g: int, shape) -> list[tuple]:
-    """Index tuples of every complete group of `shape` along `axis`."""
-    t, h, d = shape
-    if axis == "tokens":
-        return [
-            (slice(i * g, (i + 1) * g), j, c)
-            for i in range(t // g)
-            for j in range(h)
-            for c in range(d)
-        ]
-    return [
-        (i, j, slice(k * g, (k + 1) * g)) for i in range(t) for j in range(h) for k in range(d // g)
-    ]
-
-
-def place(groups, axis, dtype, g, *, anchor=(), shape=SHAPE, fill=None) -> list[np.ndarray]:
-    """Lay `groups` (each <= g values, cycled) into the complete groups of tensors of `shape`
-    (zeros, or `fill`), each tensor starting with the `anchor` groups."""
-    slots = _slots(axis, g, shape)
-    per = len(slots) - len(anchor)
-    tensors = []
-    for start in range(0, len(groups), per):
-        x = np.zeros(shape, dtype) if fill is None else fill.copy()
-        for slot, group in zip(slots, [*anchor, *groups[start : start + per]], strict=False):
-            x[slot] = np.resize(np.asarray(group, dtype), g)
-        tensors.append(x)
-    return tensors
-
-
-# ------------------------------------------------------------------------------------------
-# INT4 hand-built cases (G = 16)
-
-
-def _int4_q(group):
-    """(x - mn) / scale of one INT4 group in numpy float32 (normal values)."""
-    x = _ftz(np.asarray(group).astype(np.float32))
-    mn, mx = x.min(), x.max()
-    mn = np.float32(0.0) if mn == 0 else mn
-    span = mx - mn
-    scale = span / np.float32(15.0) if span > 0 else np.float32(1.0)
-    return (x - mn) / scale, scale
-
-
-def int4_ties(dtype, axis):
-    """Groups [mn, mn + 15 sc, mn + (k + 0.5) sc...] (exact ties, even and odd k), and the
-    same with every tie moved one step in `dtype`."""
-    grids = [
-        (0.0, 1.0),
-        (-3.0, 1.0),
-        (0.5, 0.25),
-        (-8.0, 0.5),
-        (-1.5, 0.75),
-        (100.0, 2.0),
-        (1024.0, 64.0),
-        (-7.0, 0.375),
-        (-40.0, 6.0),
-        (-32768.0, 4096.0),
-    ]
-    if dtype != F16:
-        grids += [(2.0**-100, 2.0**-104), (-(2.0**100), 2.0**100), (3 * 2.0**-120, 2.0**-121)]
-    groups = []
-    for mn, sc in grids:
-        for ks in (np.arange(0, 14), np.arange(14, 15)):
-            group = _exact([mn, mn + 15 * sc, *(mn + (ks + 0.5) * sc)], dtype)
-            q, scale = _int4_q(group)
-            assert scale == sc and np.array_equal(q[2:], ks + 0.5), (mn, sc)
-            groups.append(group)
-            for toward in (-np.inf, np.inf):
-                moved = group.copy()
-                moved[2:] = _next(moved[2:], dtype, toward)
-                groups.append(moved)
-    return place(groups, axis, dtype, G4)
-
-
-def int4_division_ties(dtype, axis):
-    """float32 groups [0, span, x...] whose x sit next to a tie, chosen so that IEEE division
-    and multiplication by the reciprocal of the scale round to different codes."""
-    rng = np.random.default_rng(1)
-    groups = []
-    while len(groups) < 60:
-        span = np.float32(rng.uniform(1, 100))
-        scale = span / np.float32(15)
-        k = rng.integers(0, 15)
-        center = np.float32((k + 0.5) * np.float64(scale))
-        xs = center + np.arange(-4, 5, dtype=np.float32) * np.spacing(center)
-        q_div = xs / scale
-        q_mul = xs * (np.float32(1) / scale)
-        differ = np.round(q_div) != np.round(q_mul)
-        if differ.any():
-            groups.append(np.r_[np.float32(0), span, xs[differ]].astype(np.float32))
-    return place(groups, axis, dtype, G4)
-
-
-def int4_zeros(dtype, axis):
-    """Zero span (constant groups), all-zero groups with both zeros, signed zeros."""
-    groups = [
-        [0.0],
-        [-0.0],
-        [-0.0, 0.0],
-        [0.0, -0.0, -0.0],
-        [1.5],
-        [-2.0],
-        [-0.0, 3.0],
-        [0.0, -3.0],
-        [-0.0, -1.0, 0.0, 1.0],
-    ]
-    if dtype != F16:
-        groups.append([2.0**100])
-    out = place([_exact(g, dtype) for g in groups], axis, dtype, G4)
-    out.append(_exact(-np.zeros(SHAPE), dtype))  # an all -0.0 tensor
-    return out
-
-
-def int4_tiny(dtype, axis):
-    """Subnormal inputs (flushed), spans whose span / 15 flushes (scale 0 -> codes 15 / 0),
-    and spans near the float32 normal bound."""
-    if dtype == F16:  # float16 subnormals are normal float32 values
-        tiny = [[6e-8, -6e-8, 0.0], [2.0**-24, 2.0**-14, -(2.0**-20)], [2.0**-24] * 3]
-        return place([_cast(g, dtype) for g in tiny], axis, dtype, G4)
-    sub = float(np.float32(2.0**-127))
-    groups = [
-        [sub, -sub, 0.0],  # every value flushed: zero span
-        [2.0**-126, 2.0**-126 + 3 * 2.0**-133, -sub],
-        [2.0**-120, 2.0**-120 + 2.0**-126],  # span / 15 flushes to 0
-        [2.0**-120, 2.0**-120 + 2.0**-122, 2.0**-120 + 2.0**-123],
-        [-(2.0**-125), 2.0**-125],
-        [2.0**-100, 2.0**-100 + 15 * 2.0**-126],
-        [1e-38, -1e-38, 5e-39],
-    ]
-    return place([_cast(g, dtype) for g in groups], axis, dtype, G4)
-
-
-def int4_huge(dtype, axis):
-    """Minimum or span / 15 beyond float16 (stored inf), spans that overflow float32."""
-    top = float(ml_dtypes.finfo(dtype).max)
-    groups = [[-top, top], [top, top * 0.5], [-top], [65504.0, -65504.0], [-65504.0, 0.0]]
-    if dtype != F16:
-        groups += [[1e5, 2e6], [-1e6, 1e6], [-3e38, 3e38, 1.0], [7e4, 7e4]]
-    return place([_cast(g, dtype) for g in groups], axis, dtype, G4)
-
-
-def int4_non_finite(dtype, axis):
-    groups = [[np.inf, 1.0], [-np.inf, 2.0], [np.nan, 0.0], [np.inf, -np.inf], [np.nan, np.inf]]
-    rng = np.random.default_rng(_seed("int4 nf", str(dtype)))
-    fill = random_values(rng, SHAPE, dtype, "normal")
-    return place([_cast(g, dtype) for g in groups], axis, dtype, G4, fill=fill)
-
-
-INT4_CASES = {
-    "ties": (int4_ties, DTYPES),
-    "division_ties": (int4_division_ties, (F32,)),
-    "zeros": (int4_zeros, DTYPES),
-    "tiny": (int4_tiny, DTYPES),
-    "huge": (int4_huge, DTYPES),
-    "non_finite": (int4_non_finite, DTYPES),
-}
-
-
-# ------------------------------------------------------------------------------------------
-# NVFP4 hand-built cases
-
-
-def _nv_s(amax, vmax):
-    """NVFP4 s = g * (vmax * f32(1/6)) (before the clamp), numpy float32 with flush."""
-    with np.errstate(over="ignore", divide="ignore"):
-        amax, vmax = _ftz(amax), _ftz(vmax)
-        g = np.float32(1.0) if amax == 0 else _ftz(np.float32(2688.0) / amax)
-        g = np.float32(F32_MAX) if np.isinf(g) else g
-        return _ftz(g * _ftz(vmax * ONE_SIXTH))
-
-
-def nvfp4_e2m1_midpoints(dtype, axis):
-    """amax 21 * 2**k fixes g = 2**(7 - k); blocks with max 6 * 2**k then have y = x / 2**k:
-    every E2M1 midpoint is an exact tie (and its neighbours in `dtype` are not)."""
-    out = []
-    for k in (-4, 0, 3):
-        s = 2.0**k
-        anchor = [_exact([21 * s], dtype)]
-        ties = _exact([6 * s, *(np.array(E2M1_MIDPOINTS) * s)], dtype)
-        neg = -ties
-        below = np.r_[ties[:1], _next(ties[1:], dtype, 0)]
-        above = np.r_[ties[:1], _next(ties[1:], dtype, np.inf)]
-        grid = _exact([6 * s, *(np.array(E2M1_GRID) * s), *(-np.array(E2M1_GRID) * s)], dtype)
-        out += place([ties, neg, below, above, -below, grid], axis, dtype, 16, anchor=anchor)
-    return out
-
-
-def nvfp4_fallback_midpoints(dtype, axis):
-    """amax 21 * 2**-120: g = 2**127, 1 / g flushes, so v == 0 and every block takes the
-    tiny-scale fallback (x * g) / sf; blocks with max 6 * 2**-120 have exact E2M1 ties."""
-    s = 2.0**-120
-    anchor = [_exact([21 * s], dtype)]
-    assert _nv_s(21 * s, 6 * s) == 128
-    ties = _exact([6 * s, *(np.array(E2M1_MIDPOINTS) * s)], dtype)
-    below = np.r_[ties[:1], _next(ties[1:], dtype, 0)]
-    other = _exact([3 * s, 2.5 * s, 0.25 * s], dtype)
-    return place([ties, -ties, below, other], axis, dtype, 16, anchor=anchor)
-
-
-def nvfp4_e4m3_scale_midpoints(dtype, axis):
-    """amax 2688 fixes g = 1; a block with max 6 m has s = m exactly: every E4M3 midpoint m is
-    a rounding tie of the block scale (and the neighbours of 6 m are not)."""
-    anchor = [_exact([2688.0], dtype)]
-    blocks = []
-    for m in E4M3_MIDPOINTS:
-        top = _exact([6 * m], dtype)
-        assert _nv_s(2688.0, top[0]) == np.float32(m), m
-        blocks += [
-            np.r_[top, _exact([-m, m / 2], dtype)],
-            _next(top, dtype, 0),
-            _next(top, dtype, np.inf),
-        ]
-    return place(blocks, axis, dtype, 16, anchor=anchor)
-
-
-def nvfp4_scale_clamp(dtype, axis):
-    """Tensors whose amax block gets s a little above 448 before the clamp."""
-    rng = np.random.default_rng(_seed("clamp", str(dtype)))
-    out, hits = [], 0
-    for amax in _cast(rng.uniform(0.5, 60000, 400), dtype):
-        if _nv_s(amax, amax) > 448:
-            hits += 1
-            if len(out) < 4:
-                x = random_values(rng, SHAPE, dtype, "normal")
-                x.flat[rng.integers(x.size)] = amax
-                out.append(x)
-    assert hits, "no amax with s > 448"
-    return out
-
-
-def nvfp4_zeros(dtype, axis):
-    """All-zero tensors (g = 1, codes 0 / 0x8 for -0.0), zero blocks next to non-zero ones."""
-    z = np.zeros(SHAPE, dtype)
-    z.flat[::3] = _cast([-0.0], dtype)[0]
-    blocks = [[0.0], [-0.0], [-0.0, 0.0], [-0.0, 1.0], [0.0, -5.0], [-0.0, -0.0, 2.5]]
-    return [
-        z,
-        _exact(-np.zeros(SHAPE), dtype),
-        *place([_exact(b, dtype) for b in blocks], axis, dtype, 16),
-    ]
-
-
-def nvfp4_tiny(dtype, axis):
-    """Tiny-tensor rule (amax 1e-36: g = float32 max), the tiny-scale fallback (amax 1e-35),
-    block scales that flush (vmax * (1/6) < 2**-126), subnormal inputs."""
-    rng = np.random.default_rng(_seed("nv tiny", str(dtype)))
-    if dtype == F16:
-        x = random_values(rng, SHAPE, dtype, "normal") * _cast([2.0**-14], dtype)
-        x.flat[::7] = _cast([6e-8], dtype)[0]
-        return [x]
-    out = []
-    for amax in (1e-36, 1e-35, 7.9e-36, 1e-30):
-        x = _cast(rng.standard_normal(SHAPE) * amax / 4, dtype)
-        x.flat[rng.integers(x.size)] = _cast([amax], dtype)[0]
-        out.append(x)
-    x = _cast(rng.standard_normal(SHAPE), dtype)  # blocks of 2**-125 next to normal data
-    x[:16] = _cast(rng.standard_normal((16, *SHAPE[1:])) * 2.0**-125, dtype)
-    x[20, :, :16] = _cast([2.0**-127, -(2.0**-128)], dtype)[0]
-    out.append(x)
-    return out
-
-
-def nvfp4_huge(dtype, axis):
-    rng = np.random.default_rng(_seed("nv huge", str(dtype)))
-    top = float(ml_dtypes.finfo(dtype).max)
-    x = _cast(rng.standard_normal(SHAPE) * top / 8, dtype)
-    x.flat[5] = _cast([top], dtype)[0]
-    y = _cast(rng.standard_normal(SHAPE), dtype)
-    y.flat[9] = _cast([-top], dtype)[0]
-    return [x, y]
-
-
-def nvfp4_non_finite(dtype, axis):
-    rng = np.random.default_rng(_seed("nv nf", str(dtype)))
-    out = []
-    for bad in ([np.inf], [-np.inf], [np.nan], [np.nan, np.inf, -np.inf]):
-        x = random_values(rng, SHAPE, dtype, "normal")
-        x.flat[rng.integers(x.size, size=len(bad))] = _cast(bad, dtype)
-        out.append(x)
-    return out
-
-
-NVFP4_CASES = {
-    "e2m1_midpoints": (nvfp4_e2m1_midpoints, DTYPES),
-    "fallback_midpoints": (nvfp4_fallback_midpoints, (BF16, F32)),
-    "e4m3_scale_midpoints": (nvfp4_e4m3_scale_midpoints, DTYPES),
-    "scale_clamp": (nvfp4_scale_clamp, (F16, F32)),
-    "zeros": (nvfp4_zeros, DTYPES),
-    "tiny": (nvfp4_tiny, DTYPES),
-    "huge": (nvfp4_huge, DTYPES),
-    "non_finite": (nvfp4_non_finite, DTYPES),
-}
-
-
-# ------------------------------------------------------------------------------------------
-# FP8 hand-built cases (one scale per (token, head) row of D = 37)
-
-
-def _rows(rows, dtype) -> list[np.ndarray]:
-    return place(rows, "channels", dtype, SHAPE[2])
-
-
-def fp8_midpoints(dtype, axis):
-    """Rows holding +-448 * 2**k (s = 2**k, so x / s is exact): E4M3 midpoints are ties."""
-    rows = []
-    for k in (-6, 0, 4) if dtype != F16 else (-6, 0):
-        s = 2.0**k
-        for chunk in np.array_split(E4M3_MIDPOINTS, 4):
-            row = _exact([448 * s, *(chunk * s)], dtype)
-            rows += [row, -row, np.r_[row[:1], _next(row[1:], dtype, 0)]]
-    return _rows(rows, dtype)
-
-
-def fp8_zeros(dtype, axis):
-    rows = [[0.0], [-0.0], [0.0, -0.0], [-0.0, 1.0], [3.0, -0.0, 0.0]]
-    return _rows([_exact(r, dtype) for r in rows], dtype)
-
-
-def fp8_tiny(dtype, axis):
-    """Row amax below 448 * 2**-126 (the scale flushes: codes +0), just above, subnormals."""
-    if dtype == F16:
-        return _rows([_cast(r, dtype) for r in ([6e-8, -6e-8], [2.0**-24, 2.0**-14])], dtype)
-    rows = [
-        [448 * 2.0**-127, -(2.0**-120)],
-        [448 * 2.0**-126, 2.0**-126, -(2.0**-130)],
-        [1e-37, 2e-38],
-        [2.0**-127, -(2.0**-127)],
-        [1e-35, -3e-36],
-    ]
-    return _rows([_cast(r, dtype) for r in rows], dtype)
-
-
-def fp8_huge(dtype, axis):
-    top = float(ml_dtypes.finfo(dtype).max)
-    rows = [[top, -top, 1.0], [top, top / 3, top / 7], [-65504.0, 1e-3]]
-    return _rows([_cast(r, dtype) for r in rows], dtype)
-
-
-def fp8_non_finite(dtype, axis):
-    rows = [[np.inf, 1.0], [-np.inf], [np.nan, 2.0], [np.nan, np.inf]]
-    rng = np.random.default_rng(_seed("fp8 nf", str(dtype)))
-    x = random_values(rng, SHAPE, dtype, "normal")
-    for i, r in enumerate(rows):
-        x[2 * i, i % 2, : len(r)] = _cast(r, dtype)
-    return [x]
-
-
-FP8_CASES = {
-    "midpoints": (fp8_midpoints, DTYPES),
-    "zeros": (fp8_zeros, DTYPES),
-    "tiny": (fp8_tiny, DTYPES),
-    "huge": (fp8_huge, DTYPES),
-    "non_finite": (fp8_non_finite, DTYPES),
-}
-
-CASES = {"int4": INT4_CASES, "nvfp4": NVFP4_CASES, "fp8_e4m3": FP8_CASES}
 EDGE_PARAMS = [
     pytest.param(fmt, name, dt, kind, id=f"{fmt}-{name}-{dt}-{kind}")
-    for fmt, cases in CASES.items()
-    for name, (_, dtypes) in cases.items()
-    for dt in dtypes
-    for kind in KINDS
+    for fmt, name, dt, kind in edge_case_grid()
 ]
 
 
 @pytest.mark.parametrize(("fmt", "case", "dtype", "kind"), EDGE_PARAMS)
 def test_edge_cases_match_oracle(fmt, case, dtype, kind):
-    build, _ = CASES[fmt][case]
+    build, _ = EDGE_CASES[fmt][case]
     g = G4 if fmt == "int4" else None
-    for i, x in enumerate(build(dtype, AXIS_OF[kind])):
+    for i, x in enumerate(build(dtype, AXIS_OF[kind], shape=SHAPE)):
         check_oracle(x, fmt, kind, group_size=g, what=f"{fmt} {case} {dtype} {kind} #{i}")
 
 
@@ -665,10 +233,10 @@ def test_edge_cases_match_oracle(fmt, case, dtype, kind):
 def test_edge_cases_on_device(fmt, device):
     """One tensor of every hand-built case, on `device` (CUDA with --run-gpu)."""
     g = G4 if fmt == "int4" else None
-    for name, (build, dtypes) in CASES[fmt].items():
+    for name, (build, dtypes) in EDGE_CASES[fmt].items():
         for kind in KINDS:
             dt = dtypes[-1]
-            x = build(dt, AXIS_OF[kind])[0]
+            x = build(dt, AXIS_OF[kind], shape=SHAPE)[0]
             check_oracle(x, fmt, kind, group_size=g, device=device, what=f"{fmt} {name} {kind}")
 
 
@@ -683,8 +251,8 @@ def test_int4_group_sizes_partial_groups(axis, device):
     kind = "key" if axis == "tokens" else "value"
     for i, g in enumerate((1, 3, 7, 16, 32, 64, 128)):
         dtype = DTYPES[i % 3]
-        rng = np.random.default_rng(_seed("G", g, axis))
-        for dist in ("int4_ties", "offsets"):
+        rng = np.random.default_rng(seed("G", g, axis))
+        for dist in ("int4_ties", "channel_offsets"):
             x = random_values(rng, SHAPE, dtype, dist)
             check_oracle(x, "int4", kind, group_size=g, out_dtypes=(dtype,), device=device)
 
@@ -698,7 +266,7 @@ def test_small_and_empty_shapes(fmt, device):
     """T = 1, D = 1 (one nibble per byte), odd D, T = 0 (empty arrays, NVFP4 g = 1), both
     axes and every input dtype."""
     for i, shape in enumerate(SMALL_SHAPES):
-        rng = np.random.default_rng(_seed("small", fmt, shape))
+        rng = np.random.default_rng(seed("small", fmt, shape))
         for kind, axis in (("key", None), ("value", None), ("key", "channels")):
             if fmt == "fp8_e4m3" and axis:
                 continue
@@ -718,8 +286,8 @@ def test_non_contiguous_torch_inputs(fmt, dtype, device):
     """Transposed + strided, flipped, expanded (stride 0) and offset sub-window views."""
     t, h, d = SHAPE
     g = G4 if fmt == "int4" else None
-    rng = np.random.default_rng(_seed("strided", fmt, str(dtype)))
-    base_np = random_values(rng, (2 * t, d, h), dtype, "offsets")
+    rng = np.random.default_rng(seed("strided", fmt, str(dtype)))
+    base_np = random_values(rng, (2 * t, d, h), dtype, "channel_offsets")
     base = numpy_to_torch(base_np, device)
     row = numpy_to_torch(random_values(rng, (1, h, d), dtype, "normal"), device)
     wide_np = random_values(rng, (t, h + 2, d + 7), dtype, "heavy")
@@ -765,39 +333,19 @@ JAX_CONFIGS = [
     ("fp8_e4m3", "key", None, None, (40, 2, 37), F32),
     ("fp8_e4m3", "value", None, None, (9, 3, 21), BF16),
 ]
-SPECIALS = [
-    0.0,
-    -0.0,
-    1e-30,
-    -1e-36,
-    2.0**-126,
-    float(np.nextafter(TINY, 0)),
-    65504.0,
-    1e5,
-    -3e38,
-    np.inf,
-    -np.inf,
-    np.nan,
-    0.25,
-    -0.75,
-    5.0,
-    448.0,
-    21.0,
-    1.5,
-]
 
 
 @st.composite
 def _jax_cases(draw):
     config = draw(st.sampled_from(JAX_CONFIGS))
     dist = draw(st.sampled_from(DISTS))
-    seed = draw(st.integers(0, 2**32 - 1))
+    data_seed = draw(st.integers(0, 2**32 - 1))
     specials = draw(
         st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(SPECIALS)), max_size=4)
     )
-    x = random_values(np.random.default_rng(seed), config[4], config[5], dist)
+    x = random_values(np.random.default_rng(data_seed), config[4], config[5], dist)
     for position, value in specials:
-        x.flat[position % x.size] = _cast([value], config[5])[0]
+        x.flat[position % x.size] = cast([value], config[5])[0]
     return config, x
 
 
@@ -818,7 +366,7 @@ def test_property_torch_matches_jax(case):
 def test_torch_matches_jax_mixed(device):
     """Every JAX layout on mixed-distribution data, on `device`."""
     for fmt, kind, axis, g, shape, dt in JAX_CONFIGS:
-        rng = np.random.default_rng(_seed("mixed", fmt, kind, axis, shape))
+        rng = np.random.default_rng(seed("mixed", fmt, kind, axis, shape))
         check_jax(mixed_values(rng, shape, dt), fmt, kind, group_size=g, axis=axis, device=device)
 
 
@@ -843,7 +391,7 @@ def test_thousands_of_random_tensors_match_jax(fmt):
     Torch packs one by one, kvq_jax packs the batch under vmap (one compile per layout);
     every stored byte and every decoded value agrees, and each stack decodes the other's."""
     shape, g = BATCH_SPECS[fmt]
-    rng = np.random.default_rng(_seed("batch", fmt))
+    rng = np.random.default_rng(seed("batch", fmt))
     batches = []
     for c, (_, dt) in enumerate(BATCH_LAYOUTS):
         xs = [
@@ -851,7 +399,7 @@ def test_thousands_of_random_tensors_match_jax(fmt):
             for i in range(BATCH_PER_LAYOUT)
         ]
         for i in range(0, BATCH_PER_LAYOUT, 17):  # sprinkle specials into a few
-            xs[i].flat[i % xs[i].size] = _cast([SPECIALS[i % len(SPECIALS)]], dt)[0]
+            xs[i].flat[i % xs[i].size] = cast([SPECIALS[i % len(SPECIALS)]], dt)[0]
         batches.append(np.stack(xs))
 
     @jax.jit
@@ -888,7 +436,7 @@ def test_thousands_of_random_tensors_match_jax(fmt):
 def test_every_output_dtype_matches_jax(fmt):
     """unpack_kv(dtype=...) for each output dtype, torch and numpy dtype spellings."""
     shape, g = (9, 3, 21), (5 if fmt == "int4" else None)
-    x = random_values(np.random.default_rng(_seed("out", fmt)), shape, BF16, "heavy")
+    x = random_values(np.random.default_rng(seed("out", fmt)), shape, BF16, "heavy")
     pj = kq.pack_kv(x, kind="value", format=fmt, **_kwargs(g))
     pt = tapi.pack_kv(numpy_to_torch(x), kind="value", format=fmt, **_kwargs(g))
     for dt in DTYPES:
@@ -921,7 +469,7 @@ def test_decode_arbitrary_bits(fmt):
     and negative scales; the oracle flushes subnormal scales on input)."""
     (_, kind, axis, g, shape, dt) = next(c for c in JAX_CONFIGS if c[0] == fmt and c[4][0] == 9)
     axis, g = kq.get_codec(fmt).resolve(shape, kind, axis, g)
-    rng = np.random.default_rng(_seed("bits", fmt))
+    rng = np.random.default_rng(seed("bits", fmt))
     for _ in range(40):
         arrays = _random_arrays(rng, fmt, shape, axis, g)
         meta = dict(format=fmt, kind=kind, axis=axis, group_size=g, shape=shape, dtype=dt)
@@ -951,9 +499,9 @@ WINDOWS = [kq.Window(sink=4, recent=6), kq.Window(sink=0, recent=3), kq.Window(s
 def test_window_matches_oracle_and_jax(fmt, device):
     """Window rows raw (copied, not aliased), middle rows packed; sink larger than T."""
     g = 8 if fmt == "int4" else None
-    rng = np.random.default_rng(_seed("window", fmt))
-    x = random_values(rng, (30, 2, 13), BF16, "offsets")
-    x[3, 0, :3] = _cast([1e-39, -1e-40, -0.0], BF16)  # raw rows keep subnormals
+    rng = np.random.default_rng(seed("window", fmt))
+    x = random_values(rng, (30, 2, 13), BF16, "channel_offsets")
+    x[3, 0, :3] = cast([1e-39, -1e-40, -0.0], BF16)  # raw rows keep subnormals
     for window in WINDOWS:
         xt = numpy_to_torch(x, device)
         wt = tapi.pack_kv(xt, kind="key", format=fmt, window=window, **_kwargs(g))
@@ -1082,10 +630,10 @@ def test_single_residuals_match_oracle(dtype):
     """Dense, sparse and windowed single residuals in every dtype, with signed zeros and
     subnormal deltas (flushed), against the oracle."""
     loops = make_chain(loops=2, t=17, d=9, dtype=dtype)
-    loops[1, 0, 0, :3] = _cast([-0.0, 0.0, -0.0], dtype)
-    loops[0, 0, 0, :3] = _cast([0.0, -0.0, -0.0], dtype)
+    loops[1, 0, 0, :3] = cast([-0.0, 0.0, -0.0], dtype)
+    loops[0, 0, 0, :3] = cast([0.0, -0.0, -0.0], dtype)
     prev_np = oracle.unpack(oracle.pack(loops[0], format="int4", kind="value"))
-    prev_np[1, 0, :2] = _cast([0.0, 1e-40 if dtype != F16 else 0.0], dtype)
+    prev_np[1, 0, :2] = cast([0.0, 1e-40 if dtype != F16 else 0.0], dtype)
     prev = numpy_to_torch(prev_np)
     pos = np.array([0, 2, 3, 9, 16], np.int32)
     window = kq.Window(sink=1, recent=1)
@@ -1511,6 +1059,7 @@ def test_cuda_no_sync():
 
 
 def test_e2m1_tables_and_encoding():
+    assert tuple(m for m, _ in spec.E2M1_MIDPOINTS) == E2M1_MIDPOINTS  # codec_cases copy
     codes = torch.arange(16, dtype=torch.uint8)
     assert_same_bytes(torch_to_numpy(tn.e2m1_decode(codes)), spec.E2M1_VALUES)
     # every E2M1 midpoint, its float32 neighbours and random values vs ml_dtypes' float4
@@ -1536,7 +1085,7 @@ def test_flush_and_divide():
         np.float32,
     )
     got = tn.flush_subnormal(torch.from_numpy(x)).numpy()
-    assert_same_bytes(got[:8], _ftz(x[:8]))
+    assert_same_bytes(got[:8], ftz(x[:8]))
     assert np.isnan(got[8]) and got[9] == 1.0
     assert np.signbit(got[3]) and not np.signbit(got[2])
     rng = np.random.default_rng(0)
@@ -1590,12 +1139,12 @@ def test_torch_compile_same_bytes(fmt, device):
     random data, both layouts (partial groups on both axes)."""
     from torch._dynamo.utils import counters
 
-    rng = np.random.default_rng(_seed("compile", fmt))
+    rng = np.random.default_rng(seed("compile", fmt))
     g = G4 if fmt == "int4" else None
     for kind in KINDS:
         xs = [
-            build(dtypes[i % len(dtypes)], AXIS_OF[kind])[0]
-            for i, (build, dtypes) in enumerate(CASES[fmt].values())
+            build(dtypes[i % len(dtypes)], AXIS_OF[kind], shape=SHAPE)[0]
+            for i, (build, dtypes) in enumerate(EDGE_CASES[fmt].values())
         ]
         xs += [random_values(rng, SHAPE, BF16, dist) for dist in DISTS]
 
