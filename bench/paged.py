@@ -235,7 +235,17 @@ def main(argv=None) -> int:
         f"(same loop); attention = reconstruct-then-attend reference path"
     )
     rows = bench(args, warmup, repeats)
-    _timing.report(args, header, rows, COLUMNS, warmup=warmup, repeats=repeats, **vars(args))
+    _timing.report(
+        args,
+        header,
+        rows,
+        COLUMNS,
+        warmup=warmup,
+        repeats=repeats,
+        batch=args.batch,
+        context=args.context,
+        loops=args.loops,
+    )
     return 0
 
 

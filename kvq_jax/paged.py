@@ -63,7 +63,7 @@ def resolve_paged(format: str, kind: str, page_shape, axis, group_size):
     return axis, resolved
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis"))
+@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis", "backend"))
 def pack_paged(
     pages,
     *,
@@ -71,14 +71,25 @@ def pack_paged(
     format: str = "int4",
     group_size: int | None = None,
     axis: str | None = None,
+    backend: str = "auto",
 ) -> PackedKV:
     """Pack every page of `pages` [P, page_size, H, D] on its own (see the module doc).
 
     `group_size` defaults as in `resolve_paged`; token-axis groups must divide page_size.
+    `backend`: "xla" (this module's reference path), "pallas" / "pallas_interpret" (the page
+    pack kernel, `kvq_jax.kernels.page_pack`) or "auto" (the kernel where the device and the
+    configuration allow, else XLA). Every backend returns the same bytes.
     """
     pages = jnp.asarray(pages)
     _, page_size, h, d = check_pages(pages)
     axis, group_size = resolve_paged(format, kind, (page_size, h, d), axis, group_size)
+    if backend != "xla":
+        # Imported here: the kernel package builds on this module (its XLA path is this one).
+        from kvq_jax.kernels.page_pack import api
+
+        return api.pack_pages(
+            pages, kind=kind, format=format, group_size=group_size, axis=axis, backend=backend
+        )
     return jax.vmap(
         lambda page: pack_kv(page, kind=kind, format=format, group_size=group_size, axis=axis)
     )(pages)

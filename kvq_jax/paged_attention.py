@@ -2,8 +2,10 @@
 
 `paged_decode_attention` reconstructs every sequence's K and V (`paged_cache.reconstruct`,
 masked to the static block-table length) and runs `dense_decode_attention` on them, so it
-equals dense attention on the reconstructed KV by construction. A fused kernel that
-dequantizes pages in registers is held to this path.
+equals dense attention on the reconstructed KV by construction. The fused kernel that
+dequantizes pages in registers (`kvq_jax.kernels.paged_attention`, backend="pallas") is held
+to this path; `paged_decode_attention(..., backend=)` dispatches to it ("auto": on a CUDA GPU
+for configurations it takes; on a CPU "auto" is this reference path, unchanged).
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ def dense_decode_attention(q, k, v, seq_lens) -> jnp.ndarray:
     return out.reshape(b, hq, d)
 
 
-def gather_batch(cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None):
+def gather_batch(
+    cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None, backend="auto"
+):
     """Reconstructed K, V of a batch: [B, max_pages_per_seq * page_size, H, D] each, rows
-    >= seq_lens[b] zero (the inputs `paged_decode_attention` attends over)."""
+    >= seq_lens[b] zero (the inputs `paged_decode_attention` attends over). `backend` picks the
+    page reconstruction (`paged_cache.decode_pages`); the reference attention passes "xla"."""
     config = _check_cache(cache)
     loop = _check_loop(config, loop)
     max_pages = _check_block_tables(config, block_tables)
@@ -91,28 +96,68 @@ def gather_batch(cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_
     def one(seq, length):
         row = tables.at[seq].get(mode="fill", fill_value=-1)
         return reconstruct(
-            cache, seq_id=seq, length=length, table_row=row, loop=loop, max_pages=max_pages
+            cache,
+            seq_id=seq,
+            length=length,
+            table_row=row,
+            loop=loop,
+            max_pages=max_pages,
+            backend=backend,
         )
 
     return jax.vmap(one)(seq_ids, jnp.asarray(seq_lens))
 
 
-@functools.partial(jax.jit, static_argnames=("loop",))
+def check_decode_args(q, cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None):
+    """Trace-time checks of a `paged_decode_attention` call (shared by every backend);
+    returns the cache config. Raises TypeError/ValueError naming the argument."""
+    config = _check_cache(cache)
+    _check_q(q, config.num_heads, config.head_dim)
+    if np.shape(q)[0] != np.shape(seq_lens)[0]:
+        raise ValueError(f"q has B = {np.shape(q)[0]} but seq_lens has {np.shape(seq_lens)[0]}")
+    _check_loop(config, loop)
+    _check_block_tables(config, block_tables)
+    _check_int32(seq_lens, "seq_lens", 1)
+    b = np.shape(seq_lens)[0]
+    if seq_ids is None:
+        if b > config.max_seqs:
+            raise ValueError(f"B = {b} exceeds max_seqs = {config.max_seqs}; pass seq_ids")
+    else:
+        _check_int32(seq_ids, "seq_ids", 1)
+        if np.shape(seq_ids)[0] != b:
+            raise ValueError(f"seq_ids has {np.shape(seq_ids)[0]} entries but seq_lens has {b}")
+    return config
+
+
+def xla_paged_decode_attention(q, cache, block_tables, seq_lens, *, loop: int, seq_ids=None):
+    """The XLA reference path (traceable, not jitted): `gather_batch`, then
+    `dense_decode_attention`."""
+    k, v = gather_batch(cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids, backend="xla")
+    return dense_decode_attention(q, k, v, seq_lens)
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "backend"))
 def paged_decode_attention(
-    q, cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None
+    q, cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None, backend="auto"
 ) -> jnp.ndarray:
     """Decode attention of q [B, Hq, D] (one token per sequence) over loop `loop` of the
     paged cache; float32 [B, Hq, D].
 
     block_tables: int32 [max_seqs, max_pages_per_seq], the table `append` uses; seq_ids:
     int32 [B] sequence slots (default 0..B-1); seq_lens: int32 [B] tokens attended, each in
-    [1, cache.seq_lens[loop, seq]] (not checked: no host sync). Reference path: reconstructs
-    KV padded to max_pages_per_seq * page_size rows (`gather_batch`), then
-    `dense_decode_attention`.
+    [1, cache.seq_lens[loop, seq]] (not checked: no host sync). backend (static): "xla" is the
+    reference path: it reconstructs KV padded to max_pages_per_seq * page_size rows
+    (`gather_batch`), then `dense_decode_attention`. "pallas" / "pallas_interpret" run the
+    fused kernel of `kvq_jax.kernels.paged_attention` (dequantizes pages in registers; equal
+    to the reference to float32 round-off); "auto" (default) takes the kernel on a CUDA GPU
+    for configurations it supports, else the reference (always the reference on CPU).
     """
-    config = _check_cache(cache)
-    _check_q(q, config.num_heads, config.head_dim)
-    if np.shape(q)[0] != np.shape(seq_lens)[0]:
-        raise ValueError(f"q has B = {np.shape(q)[0]} but seq_lens has {np.shape(seq_lens)[0]}")
-    k, v = gather_batch(cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids)
-    return dense_decode_attention(q, k, v, seq_lens)
+    check_decode_args(q, cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids)
+    if backend != "xla":
+        from kvq_jax.kernels.paged_attention import api  # here: the kernels import this module
+
+        if api.choose_backend(q, cache, block_tables, loop=loop, backend=backend) != "xla":
+            return api.paged_decode_attention(
+                q, cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids, backend=backend
+            )
+    return xla_paged_decode_attention(q, cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids)

@@ -36,12 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kvq_jax._numerics import subtract_in_dtype
 from kvq_jax.api import pack_kv, unpack_kv
 from kvq_jax.layouts import check_float_dtype
 from kvq_jax.packed import PackedKV
-from kvq_jax.paged import resolve_paged
+from kvq_jax.paged import pack_paged, resolve_paged
 from kvq_jax.registry import get_codec
-from kvq_jax.residual import KVResidual, decode_residual, encode_residual
+from kvq_jax.residual import KVResidual, decode_residual
 
 _INT_FIELDS = ("num_pages", "page_size", "num_heads", "head_dim", "num_loops", "max_seqs")
 
@@ -287,11 +288,19 @@ def _take(packed, *index):
     return jax.tree.map(lambda a: a[index], packed)
 
 
-def decode_pages(cache: PagedKVCache, kind: str, pages, *, loop: int) -> jnp.ndarray:
+def decode_pages(
+    cache: PagedKVCache, kind: str, pages, *, loop: int, backend: str = "auto"
+) -> jnp.ndarray:
     """Loop `loop` of physical pages `pages` (int32 [N], in range), through the residual
-    chain: [N, page_size, H, D] in the cache dtype (reference path)."""
+    chain: [N, page_size, H, D] in the cache dtype. `backend` (static): "xla" is the
+    reference path below; "auto" / "pallas" / "pallas_interpret" go through
+    `kvq_jax.kernels.page_reconstruct.reconstruct_pages` (same bytes, one pass per page)."""
     config = _check_cache(cache)
     loop = _check_loop(config, loop)
+    if backend != "xla":
+        from kvq_jax.kernels.page_reconstruct import reconstruct_pages
+
+        return reconstruct_pages(cache, kind, pages, loop=loop, backend=backend)
     base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
     recon = jax.vmap(unpack_kv)(_take(base, pages))
     for r in range(loop):
@@ -305,7 +314,7 @@ def decode_pages(cache: PagedKVCache, kind: str, pages, *, loop: int) -> jnp.nda
 # -- append -----------------------------------------------------------------------------------
 
 
-def _append_one(cache, kind, new, start, tables, seq_ids, loop):
+def _append_one(cache, kind, new, start, tables, seq_ids, loop, backend):
     """The update of one of K / V; returns (packed pages, staging, sink) of that kind."""
     config = cache.config
     ps, h, d, num_pages = config.page_size, config.num_heads, config.head_dim, config.num_pages
@@ -336,15 +345,18 @@ def _append_one(cache, kind, new, start, tables, seq_ids, loop):
 
     if loop == 0:
         spec = config.spec(kind, "base")
-        packed = jax.vmap(functools.partial(pack_kv, **spec))(pages)
+        packed = pack_paged(pages, **spec, backend=backend)  # vmap(pack_kv) over pages
         store = getattr(cache, f"{prefix}_base")
         store = jax.tree.map(lambda a, u: a.at[target].set(u, mode="drop"), store, packed)
     else:
         spec = config.spec(kind, "residual")
-        previous = decode_pages(cache, kind, jnp.clip(target, 0, num_pages - 1), loop=loop - 1)
-        packed = jax.vmap(lambda cur, prev: encode_residual(cur, prev, **spec).payload)(
-            pages, previous
+        previous = decode_pages(
+            cache, kind, jnp.clip(target, 0, num_pages - 1), loop=loop - 1, backend=backend
         )
+        # A dense residual without window has payload pack_kv(subtract_in_dtype(cur, prev))
+        # (`encode_residual`): the deltas of the completed pages are packed as pages.
+        delta = subtract_in_dtype(pages, previous)
+        packed = pack_paged(delta, **spec, backend=backend)
         store = getattr(cache, f"{prefix}_delta")
         store = jax.tree.map(lambda a, u: a.at[loop - 1, target].set(u, mode="drop"), store, packed)
 
@@ -366,8 +378,10 @@ def _append_one(cache, kind, new, start, tables, seq_ids, loop):
     return store, stage, sink
 
 
-@functools.partial(jax.jit, static_argnames=("loop",))
-def append(cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int) -> PagedKVCache:
+@functools.partial(jax.jit, static_argnames=("loop", "backend"))
+def append(
+    cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int, backend: str = "auto"
+) -> PagedKVCache:
     """Append `n` tokens to each of `B` sequences in loop `loop`; returns the new cache.
 
     Args:
@@ -377,6 +391,9 @@ def append(cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int) -> Pa
         physical page block_tables[s, i] (shared by every loop).
       seq_ids: int32 [B], distinct sequence slots in [0, max_seqs).
       loop: static loop index in [0, num_loops).
+      backend: static ("auto", "xla", "pallas", "pallas_interpret"); how completed pages are
+        packed (`pack_paged`) and loop l - 1 pages reconstructed (`decode_pages`) for the
+        deltas. Same bytes either way.
 
     Tokens land at positions seq_lens[loop, s] .. + n. Every page the call fills is quantized
     once into its physical page (loop 0: `pack_kv`; loop l > 0: the delta against the
@@ -390,8 +407,8 @@ def append(cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int) -> Pa
     k, v = jnp.asarray(k), jnp.asarray(v)
     seq_ids, tables = jnp.asarray(seq_ids), jnp.asarray(block_tables)
     start = cache.seq_lens[loop].at[seq_ids].get(mode="fill", fill_value=0)
-    k_store, k_stage, k_sink = _append_one(cache, "key", k, start, tables, seq_ids, loop)
-    v_store, v_stage, v_sink = _append_one(cache, "value", v, start, tables, seq_ids, loop)
+    k_store, k_stage, k_sink = _append_one(cache, "key", k, start, tables, seq_ids, loop, backend)
+    v_store, v_stage, v_sink = _append_one(cache, "value", v, start, tables, seq_ids, loop, backend)
     lens = cache.seq_lens.at[loop, seq_ids].set(start + k.shape[1], mode="drop")
     store = (
         dict(k_base=k_store, v_base=v_store)
@@ -412,7 +429,16 @@ def append(cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int) -> Pa
 # -- reconstruction ---------------------------------------------------------------------------
 
 
-def reconstruct(cache: PagedKVCache, *, seq_id, length, table_row, loop: int, max_pages: int):
+def reconstruct(
+    cache: PagedKVCache,
+    *,
+    seq_id,
+    length,
+    table_row,
+    loop: int,
+    max_pages: int,
+    backend: str = "auto",
+):
     """K, V of one sequence and loop as [max_pages * page_size, H, D] (traceable).
 
     Rows < `length` (a traced int, <= the stored seq_lens[loop, seq_id]) hold the sequence:
@@ -430,7 +456,7 @@ def reconstruct(cache: PagedKVCache, *, seq_id, length, table_row, loop: int, ma
     zero = jnp.zeros((), config.dtype)
     out = []
     for kind, prefix in (("key", "k"), ("value", "v")):
-        pages = decode_pages(cache, kind, page_ids, loop=loop)
+        pages = decode_pages(cache, kind, page_ids, loop=loop, backend=backend)
         stage = getattr(cache, f"{prefix}_stage")[loop, seq_id]
         rows = jnp.where(full, pages, jnp.where(partial, stage[None], zero))
         rows = rows.reshape(max_pages * ps, config.num_heads, config.head_dim)
@@ -443,13 +469,16 @@ def reconstruct(cache: PagedKVCache, *, seq_id, length, table_row, loop: int, ma
     return tuple(out)
 
 
-@functools.partial(jax.jit, static_argnames=("seq_len", "loop"))
-def gather(cache: PagedKVCache, *, seq_id, seq_len: int, block_table, loop: int):
+@functools.partial(jax.jit, static_argnames=("seq_len", "loop", "backend"))
+def gather(
+    cache: PagedKVCache, *, seq_id, seq_len: int, block_table, loop: int, backend: str = "auto"
+):
     """Reconstructed (K, V), each [seq_len, H, D] in the cache dtype, of sequence `seq_id` in
     loop `loop` (reference path). `seq_len` (static) must not exceed the stored length
     seq_lens[loop, seq_id]; `block_table` is that sequence's int32 row (>= ceil(seq_len /
     page_size) entries). Full pages decode through the residual chain up to `loop`, the
-    partial page comes from staging, and sink rows override the first `sink` rows."""
+    partial page comes from staging, and sink rows override the first `sink` rows. `backend`
+    (static) picks the page reconstruction, as in `decode_pages`."""
     config = _check_cache(cache)
     loop = _check_loop(config, loop)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 0:
@@ -471,5 +500,6 @@ def gather(cache: PagedKVCache, *, seq_id, seq_len: int, block_table, loop: int)
         table_row=jnp.asarray(block_table),
         loop=loop,
         max_pages=max_pages,
+        backend=backend,
     )
     return k[:seq_len], v[:seq_len]

@@ -1,0 +1,207 @@
+"""Dequantize one (page, kv-head) tile inside a Pallas kernel body (Triton and interpret mode).
+
+Every function here takes the *already loaded* arrays of one tile (one physical page, one KV
+head; the page and head axes are gone) and returns float32 values [page_size, D] that are bit
+for bit those of the XLA codec's `unpack` of that page, sliced to that head, before its cast
+to the output dtype (docs/FORMAT.md sections 2-4). ps = page_size, D = head_dim, G = group
+size. Block shapes must be powers of two for Triton (ps, D, G, and so ps/G or D/G).
+
+Per-tile arrays (shape, dtype), by format:
+
+  int4      codes        uint8   [ps, D/2]   byte j: channel 2j in bits 0-3, 2j+1 in bits 4-7
+            minimum      float16 [ps/G, D]   (axis "tokens")  or [ps, D/G] (axis "channels")
+            scale        float16 same shape as minimum
+  nvfp4     codes        uint8   [ps, D/2]   E2M1 nibbles, same packing
+            block_scale  uint8 (E4M3 bits) or float8_e4m3fn, [ps/16, D] (tokens) or
+                         [ps, D/16] (channels)
+            global_scale float32 []          the page's encode scale g (a scalar)
+  fp8_e4m3  codes        uint8 (E4M3 bits) or float8_e4m3fn [ps, D]
+            scale        float32 [ps]        one scale per token row of this head
+
+E4M3 values are decoded from their bits with integer arithmetic (no fp8 convert
+instruction, so this lowers for every CUDA GPU >= sm80); pass them as uint8 (bitcast in XLA
+outside the kernel, free) or as float8_e4m3fn (bitcast here, same width).
+
+Arithmetic follows docs/FORMAT.md with the correctly rounded helpers of `_exact` (no FMA
+contraction, IEEE division on Triton; the XLA barrier division in interpret mode):
+  int4      f32(code) * f32(scale) + f32(minimum)              (two roundings)
+  nvfp4     step = flush(f32(sf) / flush(g)); flush(e2m1(code) * step)
+  fp8_e4m3  flush(f32(code) * flush(scale))
+Decoded NaNs are NaN (their sign/payload may differ from XLA's; compare them as NaN).
+
+The residual step of a loop chain is `add_in_dtype_tile(prev, delta, dtype)`: the decoded
+delta rounded to the cache dtype (as `unpack` returns it), then one flushed float32 add and
+one rounding to the cache dtype (`kvq_jax._numerics.add_in_dtype`).
+
+Every function takes `interpret` (keyword, static): True inside `pallas_call(...,
+interpret=True)`, False when the kernel lowers through Triton.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kvq_jax._numerics import e2m1_decode
+from kvq_jax.kernels import _exact
+
+__all__ = [
+    "FIELDS",
+    "FORMATS",
+    "add_in_dtype_tile",
+    "decode_tile",
+    "e4m3_to_f32",
+    "expand_groups",
+    "fp8_tile",
+    "int4_tile",
+    "load_tile",
+    "nvfp4_tile",
+    "unpack_nibbles_tile",
+]
+
+FORMATS = ("int4", "nvfp4", "fp8_e4m3")
+#: PackedKV array fields per format: the keys of `decode_tile`'s `arrays`.
+FIELDS = {
+    "int4": ("codes", "minimum", "scale"),
+    "nvfp4": ("codes", "block_scale", "global_scale"),
+    "fp8_e4m3": ("codes", "scale"),
+}
+_NVFP4_GROUP = 16
+
+
+def load_tile(fmt: str, refs, lead: tuple, page, head) -> dict:
+    """Load one (page, head) tile from whole-array refs of a paged cache plane.
+
+    refs: the plane's refs in FIELDS[fmt] order, shaped as the cache stores them with
+    `lead` leading indices first (() for a base plane [P, ...], (r,) for delta plane r of a
+    [L-1, P, ...] plane): codes / minimum / scale / block_scale [*lead, P, rows, H, cols],
+    global_scale [*lead, P], FP8 scale [*lead, P, page_size, H]. page, head: scalar ints
+    (traced is fine, e.g. a page id loaded in the kernel). Returns the `arrays` dict of
+    `decode_tile`.
+    """
+    out = {}
+    for field, ref in zip(FIELDS[fmt], refs, strict=True):
+        if field == "global_scale":
+            out[field] = ref[(*lead, page)]
+        elif fmt == "fp8_e4m3" and field == "scale":
+            out[field] = ref[(*lead, page, slice(None), head)]
+        else:
+            out[field] = ref[(*lead, page, slice(None), head, slice(None))]
+    return out
+
+
+def unpack_nibbles_tile(codes):
+    """uint8 [ps, D/2] -> uint32 codes [ps, D] (low nibble = even channel).
+
+    Lowers to Triton's `tt.join` (stack on a new last axis) and a reshape.
+    """
+    c = codes.astype(jnp.uint32)
+    lo, hi = c & 0xF, (c >> 4) & 0xF
+    rows, half = codes.shape
+    return jnp.stack([lo, hi], axis=-1).reshape(rows, 2 * half)
+
+
+def expand_groups(meta, axis: str, group_size: int):
+    """Per-group metadata of a tile -> [ps, D] (each group's value repeated over its members).
+
+    axis "tokens": [ps/G, D] -> [ps, D]; axis "channels": [ps, D/G] -> [ps, D].
+    Broadcast on a new axis, then reshape (no gather).
+    """
+    if group_size == 1:
+        return meta
+    a, b = meta.shape
+    if axis == "tokens":
+        return jnp.broadcast_to(meta[:, None, :], (a, group_size, b)).reshape(a * group_size, b)
+    if axis == "channels":
+        return jnp.broadcast_to(meta[:, :, None], (a, b, group_size)).reshape(a, b * group_size)
+    raise ValueError(f"axis must be 'tokens' or 'channels', got {axis!r}")
+
+
+def e4m3_to_f32(x):
+    """E4M3 (float8_e4m3fn or its uint8 bits) -> float32, exact, from the bits.
+
+    Normal: 2**(e-7) * (1 + m/8); subnormal (e = 0): m * 2**-9; 0x7F/0xFF: NaN.
+    """
+    if x.dtype == jnp.float8_e4m3fn:
+        x = lax.bitcast_convert_type(x, jnp.uint8)
+    c = x.astype(jnp.uint32)
+    sign = (c & 0x80) << 24
+    e, m = (c >> 3) & 0xF, c & 0x7
+    normal = ((e + 120) << 23) | (m << 20)
+    # m * 2**-9 is exact (a small integer times a power of two); 0 for m == 0.
+    sub = lax.bitcast_convert_type(m.astype(jnp.float32) * np.float32(2.0**-9), jnp.uint32)
+    nan = (e == 15) & (m == 7)
+    bits = jnp.where(e == 0, sub, normal)
+    bits = jnp.where(nan, jnp.uint32(0x7FC00000), bits) | sign
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def int4_tile(codes, minimum, scale, *, axis: str, group_size: int, interpret: bool):
+    """INT4 tile -> float32 [ps, D]: f32(code) * f32(scale) + f32(minimum), two roundings."""
+    q = unpack_nibbles_tile(codes).astype(jnp.float32)
+    sc = expand_groups(scale.astype(jnp.float32), axis, group_size)
+    mn = expand_groups(minimum.astype(jnp.float32), axis, group_size)
+    prod = _exact.multiply(q, sc, interpret=interpret)
+    return _exact.add(prod, mn, interpret=interpret)
+
+
+def nvfp4_tile(codes, block_scale, global_scale, *, axis: str, interpret: bool):
+    """NVFP4 tile -> float32 [ps, D]: flush(e2m1(code) * flush(sf / flush(g)))."""
+    sf = e4m3_to_f32(block_scale)
+    g = _exact.flush_subnormal(jnp.asarray(global_scale, jnp.float32))
+    g = jnp.broadcast_to(g, sf.shape)
+    step = _exact.flush_subnormal(_exact.divide(sf, g, interpret=interpret))
+    step = expand_groups(step, axis, _NVFP4_GROUP)
+    values = e2m1_decode(unpack_nibbles_tile(codes))
+    return _exact.flush_subnormal(_exact.multiply(values, step, interpret=interpret))
+
+
+def fp8_tile(codes, scale, *, interpret: bool):
+    """FP8 E4M3 tile -> float32 [ps, D]: flush(f32(code) * flush(scale[row]))."""
+    q = e4m3_to_f32(codes)
+    s = _exact.flush_subnormal(jnp.asarray(scale, jnp.float32))
+    s = jnp.broadcast_to(s[:, None], q.shape)
+    return _exact.flush_subnormal(_exact.multiply(q, s, interpret=interpret))
+
+
+def decode_tile(fmt: str, axis: str, group_size: int, arrays: dict, *, interpret: bool):
+    """Dispatch on `fmt`: `arrays` holds the tile's arrays by PackedKV field name
+    (int4: codes, minimum, scale; nvfp4: codes, block_scale, global_scale; fp8_e4m3: codes,
+    scale), shaped as in the module doc. Returns float32 [page_size, D]."""
+    if fmt == "int4":
+        return int4_tile(
+            arrays["codes"],
+            arrays["minimum"],
+            arrays["scale"],
+            axis=axis,
+            group_size=group_size,
+            interpret=interpret,
+        )
+    if fmt == "nvfp4":
+        if group_size != _NVFP4_GROUP:
+            raise ValueError(f"nvfp4 group_size must be 16, got {group_size}")
+        return nvfp4_tile(
+            arrays["codes"],
+            arrays["block_scale"],
+            arrays["global_scale"],
+            axis=axis,
+            interpret=interpret,
+        )
+    if fmt == "fp8_e4m3":
+        return fp8_tile(arrays["codes"], arrays["scale"], interpret=interpret)
+    raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+
+
+def add_in_dtype_tile(prev, delta, dtype, *, interpret: bool):
+    """One residual step: (prev + delta) in `dtype` (bf16/fp16/fp32), as `add_in_dtype`.
+
+    prev: the reconstruction so far, in `dtype` (or float32 holding a `dtype` value).
+    delta: the decoded delta, float32 from `decode_tile` (rounded to `dtype` here first,
+    exactly as `unpack` returns it) or already in `dtype`. Both are widened to float32 and
+    flushed, added once (IEEE, never fused), flushed, and rounded once to `dtype`.
+    """
+    dtype = jnp.dtype(dtype)
+    a = _exact.flush_subnormal(jnp.asarray(prev).astype(dtype).astype(jnp.float32))
+    b = _exact.flush_subnormal(jnp.asarray(delta).astype(dtype).astype(jnp.float32))
+    return _exact.flush_subnormal(_exact.add(a, b, interpret=interpret)).astype(dtype)

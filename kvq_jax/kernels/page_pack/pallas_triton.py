@@ -1,0 +1,371 @@
+"""Page pack as Pallas kernels (Triton backend): INT4, NVFP4 and FP8 E4M3 pages in one call.
+
+Input: pages [P, page_size, H, D] (bf16 / fp16 / fp32). Output: the arrays `pack_paged`
+returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call:
+
+- INT4 and FP8 E4M3: grid (P, H). A program loads one (page, head) tile [page_size, D]
+  once, computes the group statistics in registers and writes the nibble codes and the
+  metadata of that tile (one pass: every input byte is read once, every output byte written
+  once).
+- NVFP4: grid (P,). Every page has its own global scale, which needs the amax over the whole
+  page (all heads) before any block scale can be rounded. A program owns one page and loops
+  over its heads twice (`lax.fori_loop`): pass 1 reads each [page_size, D] head tile for the
+  amax and the finiteness flag, pass 2 reads it again and writes codes and block scales. So
+  "one pass" for NVFP4 means one kernel launch that writes every output byte once and reads
+  each page twice, the second time from L2 (a page is 2 * page_size * H * D bytes in bf16,
+  64 KiB for 16 x 16 x 128).
+
+Arithmetic: every division goes through `_exact.divide` (PTX `div.rn.f32`; Triton's plain
+`/` is `div.full.f32`), rounding to an integer through `_exact.round_half_even`, flushing
+through `_exact.flush_subnormal`. No multiply here feeds an add, so no FMA can form. Casts
+the hardware might round or saturate differently are done with integer arithmetic instead:
+
+- f32 -> E4M3 (NVFP4 block scales, FP8 codes): `_e4m3_encode` rounds the float32 bits
+  (normal range) or `x * 2**9` (subnormal range) to nearest even and builds the code; the
+  kernels write uint8 and the wrapper bitcasts to float8_e4m3fn (no fp8 type in the kernel,
+  so it also builds for SM80, which has no fp8 conversion instructions).
+- f32 -> f16 (INT4 metadata): the cast rounds to nearest even on every backend, but PTX turns
+  NaN into 0x7FFF; the kernel writes the canonical 0x7E00 bit pattern for NaN explicitly.
+
+`interpret=True` runs the same kernel body through Pallas' interpreter (XLA), on any device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kvq_jax.kernels import _exact
+from kvq_jax.packed import PackedKV
+from kvq_jax.spec import (
+    E2M1_MAX,
+    E2M1_MIDPOINTS,
+    E4M3_MAX,
+    F32_MAX,
+    INT4_LEVELS,
+    NVFP4_GLOBAL_NUMERATOR,
+    NVFP4_GROUP_SIZE,
+    NVFP4_ONE_SIXTH,
+)
+
+_EXPONENT = np.uint32(0x7F800000)
+_F16_NAN_BITS = np.uint16(0x7E00)  # canonical float16 NaN (docs/FORMAT.md section 3)
+_E4M3_NAN = np.int32(0x7F)
+_E4M3_MIN_NORMAL = np.float32(2.0**-6)
+_E4M3_SUBNORMAL_STEPS = np.float32(2.0**9)  # subnormal E4M3 values are k * 2**-9, k = 0..7
+
+#: Warps per program: a [64, 128] tile is 8192 elements, 64 per thread at 4 warps.
+NUM_WARPS = 4
+#: No software pipelining: each program handles one tile (INT4/FP8) or loops over heads with
+#: a data-dependent second pass (NVFP4); there is nothing to prefetch ahead.
+NUM_STAGES = 1
+
+
+# -- element-wise pieces ------------------------------------------------------------------
+
+
+def _widen(x):
+    """Input dtype -> float32 (exact), subnormal inputs flushed (docs/FORMAT.md section 0)."""
+    return _exact.flush_subnormal(x.astype(jnp.float32))
+
+
+def _bits(x):
+    return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _is_nonfinite(x):
+    """inf or NaN, from the exponent bits (lowers everywhere)."""
+    return (_bits(x) & _EXPONENT) == _EXPONENT
+
+
+def _e4m3_encode(a, *, interpret: bool):
+    """float32 magnitudes a in [0, 448] (or NaN), flushed -> (int32 E4M3 code, float32 value).
+
+    Round to nearest even onto the E4M3 grid: normal values (a >= 2**-6) keep 3 mantissa
+    bits (an integer round-half-even on the float32 bits; a carry moves into the exponent
+    exactly as it should), subnormal ones become k * 2**-9 with k = round_half_even(a * 2**9)
+    (exact scaling by a power of two); k = 8 is the smallest normal value, whose code is 8
+    too. NaN gives code 0x7F and a NaN value. Values above 448 do not occur (callers clamp).
+    """
+    bits = _bits(a)
+    rounded = (bits + np.uint32(0x7FFFF) + ((bits >> 20) & np.uint32(1))) & np.uint32(0xFFF00000)
+    exponent = (rounded >> 23).astype(jnp.int32) - np.int32(127 - 7)
+    mantissa = ((rounded >> 20) & np.uint32(7)).astype(jnp.int32)
+    normal_code = (exponent << 3) | mantissa
+    normal_value = lax.bitcast_convert_type(rounded, jnp.float32)
+    k = _exact.round_half_even(a * _E4M3_SUBNORMAL_STEPS, interpret=interpret)
+    small = a < _E4M3_MIN_NORMAL
+    code = jnp.where(small, k.astype(jnp.int32), normal_code)
+    value = jnp.where(small, k * np.float32(2.0**-9), normal_value)
+    nan = jnp.isnan(a)
+    return jnp.where(nan, _E4M3_NAN, code), jnp.where(nan, a, value)
+
+
+def _e2m1_code(y, negative):
+    """y in [-6, 6] and its sign -> int32 4-bit E2M1 code (nearest value, ties to even)."""
+    magnitude = jnp.abs(y)
+    code = jnp.zeros(y.shape, jnp.int32)
+    for midpoint, tie_rounds_up in E2M1_MIDPOINTS:
+        above = magnitude >= midpoint if tie_rounds_up else magnitude > midpoint
+        code = code + above.astype(jnp.int32)
+    return code | (negative.astype(jnp.int32) << 3)
+
+
+def _pack_nibbles(codes):
+    """int32 codes [R, D] (0..15, D even) -> uint8 [R, D / 2]; channel 2j in bits 0-3."""
+    r, d = codes.shape
+    low, high = jnp.unstack(codes.reshape(r, d // 2, 2), axis=-1)
+    return (low | (high << 4)).astype(jnp.uint8)
+
+
+def _f16_bits(x, nan):
+    """float32 -> float16 (round to nearest even), canonical NaN where `nan`."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16)
+    return lax.bitcast_convert_type(jnp.where(nan, _F16_NAN_BITS, bits), jnp.float16)
+
+
+def _grouped(x, axis: str, group_size: int):
+    """[T, D] -> grouped view and its member axis ([nG, G, D] / 1 or [T, nG, G] / 2)."""
+    t, d = x.shape
+    if axis == "tokens":
+        return x.reshape(t // group_size, group_size, d), 1
+    return x.reshape(t, d // group_size, group_size), 2
+
+
+# -- INT4 -------------------------------------------------------------------------------------
+
+
+def _int4_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, interpret):
+    x = _widen(x_ref[...])  # [T, D]
+    xg, member = _grouped(x, axis, group_size)
+    nonfinite = jnp.max(_is_nonfinite(xg).astype(jnp.int32), axis=member, keepdims=True)
+    finite = nonfinite == 0
+    mn = jnp.min(xg, axis=member, keepdims=True)
+    mx = jnp.max(xg, axis=member, keepdims=True)
+    mn = jnp.where(mn == 0, np.float32(0.0), mn)  # a zero minimum is stored as +0.0
+    span = _exact.flush_subnormal(mx - mn)
+    levels = jnp.full(span.shape, INT4_LEVELS, jnp.float32)
+    scale = jnp.where(
+        span > 0,
+        _exact.flush_subnormal(_exact.divide(span, levels, interpret=interpret)),
+        np.float32(1.0),
+    )
+    diff = _exact.flush_subnormal(xg - mn)
+    q = _exact.round_half_even(
+        _exact.divide(diff, jnp.broadcast_to(scale, diff.shape), interpret=interpret),
+        interpret=interpret,
+    )
+    codes = jnp.where(q >= 0, jnp.minimum(q, np.float32(15.0)), np.float32(0.0))  # NaN -> 0
+    codes = jnp.where(finite, codes, np.float32(0.0)).astype(jnp.int32)
+    codes_ref[...] = _pack_nibbles(codes.reshape(x.shape))
+    minimum_ref[...] = _f16_bits(jnp.squeeze(mn, member), jnp.squeeze(nonfinite, member) != 0)
+    scale_ref[...] = _f16_bits(jnp.squeeze(scale, member), jnp.squeeze(nonfinite, member) != 0)
+
+
+# -- FP8 E4M3 ---------------------------------------------------------------------------------
+
+
+def _fp8_kernel(x_ref, codes_ref, scale_ref, *, interpret):
+    x = _widen(x_ref[...])  # [T, D]
+    nonfinite = jnp.max(_is_nonfinite(x).astype(jnp.int32), axis=1, keepdims=True)
+    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    s = _exact.flush_subnormal(
+        _exact.divide(amax, jnp.full(amax.shape, E4M3_MAX, jnp.float32), interpret=interpret)
+    )
+    ok = (nonfinite == 0) & (s > 0)
+    divisor = jnp.broadcast_to(jnp.where(ok, s, np.float32(1.0)), x.shape)
+    q = _exact.divide(x, divisor, interpret=interpret)
+    q = jnp.minimum(jnp.maximum(q, -E4M3_MAX), E4M3_MAX)
+    q = jnp.where(ok, q, np.float32(0.0))
+    code, _ = _e4m3_encode(jnp.abs(q), interpret=interpret)
+    code = code | (_exact.sign_bit(q).astype(jnp.int32) << 7)
+    codes_ref[...] = code.astype(jnp.uint8)
+    scale_ref[...] = jnp.squeeze(jnp.where(nonfinite == 0, s, np.float32(np.nan)), 1)
+
+
+# -- NVFP4 ------------------------------------------------------------------------------------
+
+
+def _nvfp4_kernel(x_ref, codes_ref, block_ref, global_ref, *, axis, num_heads, interpret):
+    """One page: pass 1 over the heads for amax / finiteness, pass 2 packs each head."""
+
+    def head(h):
+        return _widen(x_ref[:, h, :])  # [T, D]
+
+    def stats(h, carry):
+        amax, nonfinite = carry
+        x = head(h)
+        amax = jnp.maximum(amax, jnp.max(jnp.abs(x)))
+        nonfinite = jnp.maximum(nonfinite, jnp.max(_is_nonfinite(x).astype(jnp.int32)))
+        return amax, nonfinite
+
+    amax, nonfinite = lax.fori_loop(0, num_heads, stats, (np.float32(0.0), np.int32(0)))
+    finite = nonfinite == 0
+    # Scalars as [1] vectors: the exact helpers take arrays.
+    amax = jnp.full((1,), amax, jnp.float32)
+    g = _exact.divide(
+        jnp.full((1,), NVFP4_GLOBAL_NUMERATOR, jnp.float32), amax, interpret=interpret
+    )
+    g = jnp.where(amax == 0, np.float32(1.0), g)
+    g = jnp.where(jnp.isinf(g), F32_MAX, g)  # tiny-tensor rule
+    inv_g = _exact.flush_subnormal(
+        _exact.divide(jnp.full((1,), 1.0, jnp.float32), g, interpret=interpret)
+    )
+    global_ref[...] = jnp.where(finite, g, np.float32(np.nan))
+
+    def pack(h, carry):
+        x = head(h)
+        xg, member = _grouped(x, axis, NVFP4_GROUP_SIZE)
+        vmax = jnp.max(jnp.abs(xg), axis=member, keepdims=True)
+        gb = jnp.broadcast_to(g.reshape((1,) * vmax.ndim), vmax.shape)
+        s = _exact.flush_subnormal(gb * _exact.flush_subnormal(vmax * NVFP4_ONE_SIXTH))
+        s8, sf = _e4m3_encode(jnp.minimum(s, E4M3_MAX), interpret=interpret)
+        v = _exact.flush_subnormal(sf * inv_g.reshape((1,) * vmax.ndim))
+        one = jnp.full(v.shape, 1.0, jnp.float32)
+        r = jnp.where(
+            v == 0,
+            np.float32(0.0),
+            _exact.flush_subnormal(
+                _exact.divide(one, jnp.where(v == 0, one, v), interpret=interpret)
+            ),
+        )
+        y = _exact.flush_subnormal(xg * r)
+        # Tiny-scale fallback: the reciprocal path underflowed although the block scale did not.
+        fallback = (v == 0) & (sf > 0)
+        y_direct = _exact.flush_subnormal(
+            _exact.divide(
+                _exact.flush_subnormal(xg * jnp.broadcast_to(g.reshape((1,) * xg.ndim), xg.shape)),
+                jnp.broadcast_to(jnp.where(fallback, sf, one), xg.shape),
+                interpret=interpret,
+            )
+        )
+        y = jnp.where(fallback, y_direct, y)
+        y = jnp.minimum(jnp.maximum(y, -E2M1_MAX), E2M1_MAX)
+        codes = _e2m1_code(y, _exact.sign_bit(xg))
+        codes = jnp.where(finite, codes, np.int32(0))
+        codes_ref[:, h, :] = _pack_nibbles(codes.reshape(x.shape))
+        s8 = jnp.where(finite, s8, _E4M3_NAN)
+        block_ref[:, h, :] = jnp.squeeze(s8, member).astype(jnp.uint8)
+        return carry
+
+    lax.fori_loop(0, num_heads, pack, np.int32(0))
+
+
+# -- the pallas_call wrappers ---------------------------------------------------------------
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret: bool):
+    params = {}
+    if not interpret:
+        # A bare pallas_call on GPU goes to Mosaic GPU, which does not target SM120.
+        params["compiler_params"] = pltriton.CompilerParams(
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES
+        )
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        name="kvq_page_pack",
+        **params,
+    )
+
+
+def _meta_block(axis: str, page_size: int, head_dim: int, group_size: int):
+    """Per-head metadata tile: [T / G, D] (tokens) or [T, D / G] (channels)."""
+    if axis == "tokens":
+        return page_size // group_size, head_dim
+    return page_size, head_dim // group_size
+
+
+def _pack_int4(pages, axis, group_size, interpret):
+    p, t, h, d = pages.shape
+    mt, md = _meta_block(axis, t, d, group_size)
+    tile = lambda rows, cols: pl.BlockSpec((None, rows, None, cols), lambda i, j: (i, 0, j, 0))  # noqa: E731
+    codes, minimum, scale = _call(
+        functools.partial(_int4_kernel, axis=axis, group_size=group_size, interpret=interpret),
+        grid=(p, h),
+        in_specs=[tile(t, d)],
+        out_specs=[tile(t, d // 2), tile(mt, md), tile(mt, md)],
+        out_shape=[
+            jax.ShapeDtypeStruct((p, t, h, d // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((p, mt, h, md), jnp.float16),
+            jax.ShapeDtypeStruct((p, mt, h, md), jnp.float16),
+        ],
+        interpret=interpret,
+    )(pages)
+    return {"codes": codes, "minimum": minimum, "scale": scale}
+
+
+def _pack_nvfp4(pages, axis, interpret):
+    p, t, h, d = pages.shape
+    mt, md = _meta_block(axis, t, d, NVFP4_GROUP_SIZE)
+    page = lambda rows, cols: pl.BlockSpec((None, rows, h, cols), lambda i: (i, 0, 0, 0))  # noqa: E731
+    codes, block_scale, global_scale = _call(
+        functools.partial(_nvfp4_kernel, axis=axis, num_heads=h, interpret=interpret),
+        grid=(p,),
+        in_specs=[page(t, d)],
+        out_specs=[page(t, d // 2), page(mt, md), pl.BlockSpec((None, 1), lambda i: (i, 0))],
+        out_shape=[
+            jax.ShapeDtypeStruct((p, t, h, d // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((p, mt, h, md), jnp.uint8),
+            jax.ShapeDtypeStruct((p, 1), jnp.float32),
+        ],
+        interpret=interpret,
+    )(pages)
+    return {
+        "codes": codes,
+        "block_scale": lax.bitcast_convert_type(block_scale, jnp.float8_e4m3fn),
+        "global_scale": global_scale.reshape(p),
+    }
+
+
+def _pack_fp8(pages, interpret):
+    p, t, h, d = pages.shape
+    codes, scale = _call(
+        functools.partial(_fp8_kernel, interpret=interpret),
+        grid=(p, h),
+        in_specs=[pl.BlockSpec((None, t, None, d), lambda i, j: (i, 0, j, 0))],
+        out_specs=[
+            pl.BlockSpec((None, t, None, d), lambda i, j: (i, 0, j, 0)),
+            pl.BlockSpec((None, t, None), lambda i, j: (i, 0, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((p, t, h, d), jnp.uint8),
+            jax.ShapeDtypeStruct((p, t, h), jnp.float32),
+        ],
+        interpret=interpret,
+    )(pages)
+    return {"codes": lax.bitcast_convert_type(codes, jnp.float8_e4m3fn), "scale": scale}
+
+
+def pack_pages(
+    pages, *, kind: str, format: str, axis: str, group_size: int, interpret: bool
+) -> PackedKV:
+    """Validated pages [P, page_size, H, D] (a configuration `api.config_support` accepts,
+    axis and group_size resolved) -> the `PackedKV` that `pack_paged` returns."""
+    if format == "int4":
+        arrays = _pack_int4(pages, axis, group_size, interpret)
+    elif format == "nvfp4":
+        arrays = _pack_nvfp4(pages, axis, interpret)
+    elif format == "fp8_e4m3":
+        arrays = _pack_fp8(pages, interpret)
+    else:
+        raise ValueError(f"format {format!r} has no page-pack kernel")
+    return PackedKV(
+        **arrays,
+        format=format,
+        kind=kind,
+        axis=axis,
+        group_size=group_size,
+        shape=tuple(pages.shape[1:]),
+        dtype=np.dtype(pages.dtype),
+    )

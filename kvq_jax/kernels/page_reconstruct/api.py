@@ -1,0 +1,130 @@
+"""`reconstruct_pages`: loop l of physical pages of a `PagedKVCache`, backend by choice."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kvq_jax.kernels.backend import resolve_backend
+from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS, reconstruct_pages_pallas
+from kvq_jax.kernels.page_reconstruct.xla import reconstruct_pages_xla
+from kvq_jax.paged_cache import PagedCacheConfig, _check_cache, _check_loop
+
+KINDS = ("key", "value")
+#: Largest tile (page_size * head_dim elements) one kernel program holds in registers.
+MAX_TILE_ELEMENTS = 2**15
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _check_kind(kind) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return kind
+
+
+def config_support(config: PagedCacheConfig, kind: str) -> str | None:
+    """None when the Pallas kernel takes `kind` of caches with `config`, else the reason.
+
+    Supported: page_size and head_dim powers of two (head_dim >= 2, page_size * head_dim <=
+    2**15), any H, L, dtype; every format; INT4 group sizes that are powers of two dividing
+    page_size (axis "tokens") or head_dim (axis "channels").
+    """
+    if not isinstance(config, PagedCacheConfig):
+        raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
+    _check_kind(kind)
+    ps, d = config.page_size, config.head_dim
+    if not _power_of_two(ps):
+        return f"page_size {ps} is not a power of two"
+    if not _power_of_two(d) or d < 2:
+        return f"head_dim {d} is not a power of two >= 2"
+    if ps * d > MAX_TILE_ELEMENTS:
+        return f"page_size * head_dim = {ps * d} exceeds {MAX_TILE_ELEMENTS} elements per tile"
+    levels = ("base", "residual") if config.num_loops > 1 else ("base",)
+    for level in levels:
+        spec = config.spec(kind, level)
+        fmt, axis, group = spec["format"], spec["axis"], spec["group_size"]
+        if fmt not in FIELDS:
+            return f"{kind} {level} format {fmt!r} has no kernel decoder"
+        if fmt == "fp8_e4m3":
+            continue
+        length = ps if axis == "tokens" else d
+        if not _power_of_two(group) or group > length:
+            return (
+                f"{kind} {level} {fmt} group size {group} along {axis} must be a power of two "
+                f"dividing {length}"
+            )
+    return None
+
+
+def _check_pages(pages):
+    shape = np.shape(pages)
+    if len(shape) != 1:
+        raise ValueError(f"pages must have rank 1 [N], got shape {shape}")
+    dtype = getattr(pages, "dtype", None)
+    if dtype is None or not np.issubdtype(np.dtype(dtype), np.integer):
+        raise TypeError(f"pages must be an int32 array, got dtype {dtype}")
+    return jnp.asarray(pages, jnp.int32)
+
+
+@functools.cache
+def _batchable(loop: int, interpret: bool):
+    """The kernel call with a vmap rule: batched page ids (e.g. `gather_batch`) flatten into
+    one longer grid; a batched cache runs one call per batch entry."""
+
+    @jax.custom_batching.custom_vmap
+    def call(base, delta, pages):
+        return reconstruct_pages_pallas(base, delta, pages, loop=loop, interpret=interpret)
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, base, delta, pages):
+        base_b, delta_b, pages_b = in_batched
+        if not any(jax.tree.leaves((base_b, delta_b))):
+            if not pages_b:
+                pages = jnp.broadcast_to(pages, (axis_size, *pages.shape))
+            out = call(base, delta, pages.reshape(-1))
+            return out.reshape(axis_size, pages.shape[1], *out.shape[1:]), True
+
+        def bcast(tree, batched):
+            return jax.tree.map(
+                lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)),
+                tree,
+                batched,
+            )
+
+        args = (bcast(base, base_b), bcast(delta, delta_b), bcast(pages, pages_b))
+        return lax.map(lambda a: call(*a), args), True
+
+    return call
+
+
+def reconstruct_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto"):
+    """Loop `loop` of physical pages `pages` of `cache`: [N, page_size, H, D], cache dtype.
+
+    Identical to `kvq_jax.paged_cache.decode_pages` (the XLA reference; decoded NaNs compare
+    as NaN). Args:
+      cache: a `PagedKVCache`.
+      kind: "key" or "value".
+      pages: int32 [N] physical page ids in [0, num_pages) (out-of-range ids read the page
+        XLA indexing would: negative ids wrap once, then clamp).
+      loop: static loop index in [0, num_loops).
+      backend: "auto" (the Pallas kernel on a supported CUDA GPU and configuration, else
+        XLA), "xla", "pallas" (raises ValueError where unsupported) or "pallas_interpret".
+    """
+    config = _check_cache(cache)
+    loop = _check_loop(config, loop)
+    _check_kind(kind)
+    pages = _check_pages(pages)
+    impl = resolve_backend(backend, config_support(config, kind))
+    if impl == "xla":
+        return reconstruct_pages_xla(cache, kind, pages, loop=loop)
+    base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
+    if not loop:
+        delta = None
+    return _batchable(loop, impl == "pallas_interpret")(base, delta, pages)

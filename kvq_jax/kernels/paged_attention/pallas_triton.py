@@ -1,0 +1,333 @@
+"""The fused kernel: decode attention over the quantized paged cache, K/V dequantized in registers.
+
+Grid (B, H, num_splits): one program per (sequence, KV head, split of the sequence's pages).
+A program holds the G = Hq / H query heads of its KV head ([Gp, D] float32, zero rows padding
+G to Gp) and walks logical pages [split * pps, (split + 1) * pps) of its sequence, clipped to
+the attended pages ceil(seq_len / page_size):
+
+  - a page complete in the cache (page i with (i + 1) * page_size <= stored length): its
+    physical id is a scalar load from the block table; the K and V tiles [page_size, D] of
+    its KV head are dequantized (`_tile_decode.decode_tile`, bit-exact with the codecs),
+    rounded to the cache dtype and taken through the residual chain up to `loop`
+    (`add_in_dtype_tile` per delta plane, the rounding of `decode_residual`), so the values
+    attended are exactly `gather_batch`'s;
+  - the partial page (i == stored // page_size) comes from the staging rows (raw, cache dtype);
+  - positions < sink come from the raw sink rows (padded to whole pages outside the kernel);
+  - positions >= seq_len are masked (score -inf, V row 0).
+
+Scores are q k^T / sqrt(D) in float32: `pltriton.dot` (HIGHEST precision, rows padded to 16) for
+G >= 8, a broadcast multiply-sum for smaller groups (Ouro: G = 1). The online softmax keeps a
+running max m, sum l and accumulator acc per query row (float32); each split writes (acc, m, l)
+and `combine` merges the splits (log-sum-exp weights, XLA). Dequantized K/V never leave
+registers. On Triton every block shape is a power of two (page_size, D, the metadata tiles);
+`api.config_support` rejects other configurations.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kvq_jax.kernels._tile_decode import add_in_dtype_tile, decode_tile
+
+#: Query heads per KV head from which scores use pltriton.dot (Triton dots need M, N, K >= 16).
+DOT_MIN_GROUP = 8
+_FIELDS = {
+    "int4": ("codes", "minimum", "scale"),
+    "nvfp4": ("codes", "block_scale", "global_scale"),
+    "fp8_e4m3": ("codes", "scale"),
+}
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def query_rows(group: int) -> tuple[int, bool]:
+    """(rows Gp of a program's query block, whether scores use pltriton.dot) for G query heads."""
+    if group >= DOT_MIN_GROUP:
+        return max(16, _next_pow2(group)), True
+    return _next_pow2(group), False
+
+
+#: uint8 arrays of at least this many bytes go to the kernel as uint16 pairs (see `_widen`).
+WIDE_INDEX_BYTES = 2**31
+
+
+def _widen(a):
+    """uint8 [..., 2n] -> uint16 [..., n] (byte 2j low, 2j + 1 high; a bitcast in XLA).
+
+    Pallas' Triton lowering indexes arrays of at most 2**32 bytes with int32 element offsets,
+    which wrap for uint8 arrays of 2**31 bytes or more (e.g. the residual codes of a 3-plane
+    32k-token x 32-sequence cache); their uint16 view has half the elements."""
+    return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), jnp.uint16)
+
+
+def _unwiden(x):
+    """uint16 [..., n] tile -> the uint8 [..., 2n] tile it holds (inverse of `_widen`)."""
+    lo, hi = (x & 0xFF).astype(jnp.uint8), (x >> 8).astype(jnp.uint8)
+    return jnp.stack([lo, hi], axis=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])
+
+
+def _plane_arrays(packed) -> list:
+    """The kernel's arrays of one packed plane, in `_FIELDS` order; E4M3 arrays are passed
+    as their uint8 bits (a same-width bitcast, free; the tile decoder reads the bits), and
+    uint8 arrays of WIDE_INDEX_BYTES or more as uint16 pairs (`_widen`)."""
+    out = []
+    for name in _FIELDS[packed.format]:
+        a = getattr(packed, name)
+        if a.dtype == jnp.float8_e4m3fn:
+            a = lax.bitcast_convert_type(a, jnp.uint8)
+        if a.dtype == jnp.uint8 and a.size >= WIDE_INDEX_BYTES and a.ndim and a.shape[-1] % 2 == 0:
+            a = _widen(a)
+        out.append(a)
+    return out
+
+
+def _load_tile(ref, prefix: tuple, page, head):
+    """One (page, head) tile of a packed array [*prefix, P, ...] (the page axis after the
+    static prefix): codes/metadata [P, rows, H, cols] -> [rows, cols]; fp8 scale [P, ps, H]
+    -> [ps]; NVFP4 global scale [P] -> scalar."""
+    rest = len(ref.shape) - len(prefix) - 1
+    if rest == 0:
+        return ref[(*prefix, page)]
+    if rest == 2:
+        return ref[(*prefix, page, slice(None), head)]
+    tile = ref[(*prefix, page, slice(None), head, slice(None))]
+    return _unwiden(tile) if ref.dtype == jnp.uint16 else tile
+
+
+def _kernel(*refs, planes, loop, dtype, page_size, pages_per_split, use_dot, sink, interpret):
+    """planes: {"key"/"value": ((fmt, axis, group_size, n_arrays) base, (...) residual)}."""
+    it = iter(refs)
+    q_ref, tab_ref, lens_ref, stored_ref, sid_ref = (next(it) for _ in range(5))
+    plane_refs = {}
+    for kind in ("key", "value"):
+        plane_refs[kind, "base"] = [next(it) for _ in range(planes[kind][0][3])]
+    if loop:
+        for kind in ("key", "value"):
+            plane_refs[kind, "residual"] = [next(it) for _ in range(planes[kind][1][3])]
+    stage_refs = {"key": next(it), "value": next(it)}
+    sink_refs = {"key": next(it), "value": next(it)} if sink else None
+    acc_ref, m_ref, l_ref = next(it), next(it), next(it)
+
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ps = page_size
+    seq_len, stored, sid = lens_ref[b], stored_ref[b], sid_ref[b]
+    q = q_ref[...].astype(jnp.float32)  # [Gp, D]
+    rows, d = q.shape
+    scale = jnp.float32(1.0 / math.sqrt(d))
+
+    def decode(kind, level, prefix, page):
+        fmt, axis, group_size, _ = planes[kind][0 if level == "base" else 1]
+        refs_ = plane_refs[kind, level]
+        arrays = {
+            name: _load_tile(r, prefix, page, h)
+            for name, r in zip(_FIELDS[fmt], refs_, strict=True)
+        }
+        return decode_tile(fmt, axis, group_size, arrays, interpret=interpret)
+
+    def reconstruct(kind, page):
+        x = decode(kind, "base", (), page).astype(dtype)
+        for r in range(loop):
+            delta = decode(kind, "residual", (r,), page)
+            x = add_in_dtype_tile(x, delta, dtype, interpret=interpret)
+        return x
+
+    def with_sink(kind, i, x):
+        if not sink:
+            return x
+        pos = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d), 0)
+
+        def merge():
+            rows_ = sink_refs[kind][b, pl.ds(i * ps, ps), h, :]
+            return jnp.where(pos < sink, rows_, x)
+
+        return lax.cond(i * ps < sink, merge, lambda: x)
+
+    def attend(i, k, v, carry):
+        m_prev, l_prev, acc_prev = carry
+        pos = i * ps + lax.broadcasted_iota(jnp.int32, (ps,), 0)
+        valid = pos < seq_len
+        k = k.astype(jnp.float32)
+        v = jnp.where(valid[:, None], v.astype(jnp.float32), jnp.float32(0.0))
+        if use_dot:
+            s = pltriton.dot(q, k, trans_b=True, precision=_HIGHEST)  # [Gp, ps]
+        else:
+            s = jnp.sum(q[:, None, :] * k[None, :, :], axis=-1)
+        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l_new = alpha * l_prev + jnp.sum(p, axis=1)
+        if use_dot:
+            pv = pltriton.dot(p, v, precision=_HIGHEST)  # [Gp, D]
+        else:
+            pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return m_new, l_new, alpha[:, None] * acc_prev + pv
+
+    def full_page(i, carry):
+        page = tab_ref[b, i]
+        k = with_sink("key", i, reconstruct("key", page))
+        v = with_sink("value", i, reconstruct("value", page))
+        return attend(i, k, v, carry)
+
+    def partial_page(carry):
+        i = stored // ps
+        k = with_sink("key", i, stage_refs["key"][loop, sid, :, h, :])
+        v = with_sink("value", i, stage_refs["value"][loop, sid, :, h, :])
+        return attend(i, k, v, carry)
+
+    attended = (seq_len + ps - 1) // ps
+    start = split * pages_per_split
+    end = jnp.minimum(start + pages_per_split, attended)
+    full_end = jnp.maximum(jnp.minimum(stored // ps, end), start)
+    carry = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, d), jnp.float32),
+    )
+    carry = lax.fori_loop(start, full_end, full_page, carry)
+    partial = stored // ps
+    has_partial = (partial >= start) & (partial < end)
+    carry = lax.cond(has_partial, partial_page, lambda c: c, carry)
+    m, l_sum, acc = carry
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l_sum
+
+
+def combine(acc, m, l_sum):
+    """Merge the splits: acc [..., S, Gp, D], m and l_sum [..., S, Gp] -> [..., Gp, D].
+
+    out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s with M = max_s m_s (empty splits
+    have m = -inf and weigh 0)."""
+    top = jnp.max(m, axis=-2, keepdims=True)
+    w = jnp.exp(m - top)
+    num = jnp.sum(w[..., None] * acc, axis=-3)
+    den = jnp.sum(w * l_sum, axis=-2)
+    return num / den[..., None]
+
+
+def paged_decode_attention(
+    q,
+    cache,
+    block_tables,
+    seq_lens,
+    seq_ids,
+    *,
+    loop: int,
+    num_splits: int,
+    interpret: bool,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """The kernel call (arguments already checked by `api`; seq_ids an int32 [B] array).
+    Returns float32 [B, Hq, D]."""
+    config = cache.config
+    b, hq, d = q.shape
+    h, ps = config.num_heads, config.page_size
+    group = hq // h
+    rows, use_dot = query_rows(group)
+    max_pages = block_tables.shape[1]
+    pages_per_split = -(-max_pages // num_splits)
+    num_splits = -(-max_pages // pages_per_split)  # no split past the table
+
+    qf = jnp.asarray(q, jnp.float32).reshape(b, h, group, d)
+    if rows > group:
+        qf = jnp.pad(qf, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    # Per-sequence scalars, exactly as `reconstruct` reads them (slots clamp, rows fill -1).
+    seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    slots = jnp.clip(seq_ids, 0, config.max_seqs - 1)
+    tables = jnp.asarray(block_tables).at[seq_ids].get(mode="fill", fill_value=-1)
+    tables = jnp.clip(tables, 0, config.num_pages - 1)
+    stored = cache.seq_lens[loop][slots]
+
+    planes, arrays = {}, []
+    for kind, prefix in (("key", "k"), ("value", "v")):
+        desc = []
+        for level in ("base", "residual"):
+            spec = config.spec(kind, level)
+            n = len(_FIELDS[spec["format"]])
+            desc.append((spec["format"], spec["axis"], spec["group_size"], n))
+        planes[kind] = tuple(desc)
+        arrays += _plane_arrays(getattr(cache, f"{prefix}_base"))
+    if loop:
+        arrays += _plane_arrays(cache.k_delta) + _plane_arrays(cache.v_delta)
+    arrays += [cache.k_stage, cache.v_stage]
+    if config.sink:
+        n_sink_pages = -(-config.sink // ps)
+        for rows_ in (cache.k_sink, cache.v_sink):
+            x = rows_[loop][slots]  # [B, sink, H, D]
+            pad = n_sink_pages * ps - config.sink
+            arrays.append(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))))
+
+    kernel = functools.partial(
+        _kernel,
+        planes=planes,
+        loop=loop,
+        dtype=jnp.dtype(config.dtype),
+        page_size=ps,
+        pages_per_split=pages_per_split,
+        use_dot=use_dot,
+        sink=config.sink,
+        interpret=interpret,
+    )
+    inputs = [qf, tables, jnp.asarray(seq_lens, jnp.int32), stored, slots, *arrays]
+    in_specs = [pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0))]
+    in_specs += [pl.no_block_spec] * (len(inputs) - 1)
+    out_shape = (
+        jax.ShapeDtypeStruct((b, h, num_splits, rows, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32),
+    )
+    out_specs = (
+        pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
+    )
+    params = (
+        None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    )
+    acc, m, l_sum = pl.pallas_call(
+        kernel,
+        grid=(b, h, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=params,
+        name="kvq_paged_decode_attention",
+    )(*inputs)
+    out = combine(acc, m, l_sum)  # [B, H, Gp, D]
+    return out[:, :, :group].reshape(b, hq, d)
+
+
+def kv_bytes_read(config, seq_lens, *, loop: int) -> int:
+    """Bytes of K and V the kernel reads for attended lengths `seq_lens` (host numbers, each
+    sequence assumed to attend all it stores): per complete page the packed K + V tiles of
+    the base and `loop` residual planes (every head), per sequence with a partial page its
+    K + V staging page (cache dtype), and per sequence the K + V sink rows padded to whole
+    pages. Block tables, queries and outputs are not counted."""
+    from kvq_jax.paged_cache import _empty_packed
+
+    def page_bytes(kind, level):
+        packed = jax.eval_shape(lambda: _empty_packed(config, config.spec(kind, level), (1,)))
+        return packed.storage_bytes
+
+    per_page = sum(page_bytes(kind, "base") for kind in ("key", "value"))
+    per_page += loop * sum(page_bytes(kind, "residual") for kind in ("key", "value"))
+    ps = config.page_size
+    row = config.num_heads * config.head_dim * np.dtype(config.dtype).itemsize
+    lens = np.asarray(seq_lens)
+    total = int((lens // ps).sum()) * per_page + int(((lens % ps) > 0).sum()) * 2 * ps * row
+    total += len(lens) * 2 * ps * -(-config.sink // ps) * row
+    return total

@@ -1,0 +1,287 @@
+"""Page-pack kernel (kvq_jax.kernels.page_pack): every backend returns `pack_paged`'s bytes.
+
+- `PagePackBase` runs per backend (subclasses: XLA, Pallas interpret mode): edge-case pages
+  (NaN / inf pages, zero and signed-zero pages, INT4 and E2M1 ties, tiny pages that hit the
+  NVFP4 tiny-tensor rule and its fallback path, subnormals, FP16 overflow) in bf16 / fp16 /
+  fp32, through `pack_pages`, `pack_paged(backend=...)` and `paged_cache.append(backend=...)`.
+- The kernel against the plain-Python oracle on one small configuration per format.
+- The non-interpret kernel lowers for CUDA (Triton IR) for every spec in `arg_specs.SPECS`:
+  this runs on a CPU and is what proves the Triton kernel builds; interpret mode is lenient.
+- `--run-gpu`: the compiled kernel against XLA on a real GPU.
+- Errors: unknown backend, configurations the kernel does not take.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import assert_packed_equal, assert_same_bytes, assert_trees_same_bytes
+
+from kvq_jax import oracle
+from kvq_jax.kernels import backend as kernel_backend
+from kvq_jax.kernels.page_pack import api, arg_specs, config_support, pack_pages, pallas_triton
+from kvq_jax.paged import pack_paged, resolve_paged
+from kvq_jax.paged_cache import PagedCacheConfig, append, init_cache
+
+ON_GPU = kernel_backend.pallas_device_support() is None
+NUM_EDGE_PAGES = 11
+
+
+def edge_pages(spec: arg_specs.PagePackSpec, seed: int = 0) -> np.ndarray:
+    """[11, page_size, H, D] pages in spec's dtype, one edge case each:
+
+    0 normal, 1 x1000, 2 +-0.0 only, 3 x1e-36 (NVFP4: amax < 7.9e-36 -> g = f32 max, 1/g
+    flushes, every block takes the tiny-scale fallback; fp16: underflows to zeros), 4 one NaN,
+    5 one +inf and one -inf, 6 INT4 ties (half-integers, every group of >= 4 holds 0 and 15),
+    7 E2M1 ties (g = 1: one 2688, other groups hold a 6 and the tie values), 8 subnormals
+    among normal values, 9 +-1e5 (fp16: inf; INT4: FP16 metadata overflow), 10 positive
+    values and -0.0 (a -0.0 minimum is stored as +0.0), plus small groups (E4M3 subnormal and
+    zero block scales).
+    """
+    rng = np.random.default_rng(seed)
+    _, ps, h, d = shape = spec.shape(NUM_EDGE_PAGES)
+    x = rng.standard_normal(shape).astype(np.float32)
+    t_idx = np.arange(ps)[:, None, None]
+    d_idx = np.arange(d)[None, None, :]
+    phase = np.broadcast_to((t_idx + d_idx) % 4, (ps, h, d))
+    x[1] *= 1000.0
+    x[2] = np.where(rng.random((ps, h, d)) < 0.5, -0.0, 0.0)
+    x[3] *= np.float32(1e-36)
+    x[4, ps // 2, h - 1, 3] = np.nan
+    x[5, 1, 0, 0], x[5, ps - 1, h - 1, d - 1] = np.inf, -np.inf
+    halves = rng.integers(0, 31, (ps, h, d)).astype(np.float32) / 2
+    x[6] = np.where(phase == 0, 0.0, np.where(phase == 2, 15.0, halves))
+    ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -1.75, -5.0, -0.0])
+    x[7] = np.where(phase == 0, 6.0, rng.choice(ties, (ps, h, d)))
+    x[7, 0, 0, 0] = 2688.0
+    x[8] = np.where(rng.random((ps, h, d)) < 0.5, x[8] * np.float32(1e-39), x[8])
+    x[9] = np.where(rng.random((ps, h, d)) < 0.5, 1e5, -1e5) * np.abs(x[9])
+    x[10] = np.abs(x[10])
+    x[10, :, :, ::5] = -0.0
+    x[0, :, :, :16] *= np.float32(1e-5)  # small groups: E4M3 subnormal block scales
+    x[0, :, :, 16:32] *= np.float32(1e-9)  # ... and zero block scales
+    with np.errstate(over="ignore"):  # fp16: +-1e5 -> +-inf on purpose
+        return x.astype(spec.np_dtype)
+
+
+@functools.cache
+def xla_packed(spec: arg_specs.PagePackSpec):
+    pages = jnp.asarray(edge_pages(spec))
+    return pages, pack_paged(pages, **spec.kwargs, backend="xla")
+
+
+# -- per backend ------------------------------------------------------------------------------
+
+
+class PagePackBase:
+    backend: str
+
+    @pytest.mark.parametrize("spec", arg_specs.SMALL_SPECS, ids=lambda s: s.name)
+    def test_edge_pages_match_xla(self, spec):
+        pages, expected = xla_packed(spec)
+        got = pack_pages(pages, **spec.kwargs, backend=self.backend)
+        assert_trees_same_bytes(got, expected, spec.name)
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        assert (got.format, got.kind, got.axis, got.group_size) == (
+            expected.format,
+            expected.kind,
+            expected.axis,
+            expected.group_size,
+        )
+
+    @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+    def test_nvfp4_every_dtype(self, dtype):
+        spec = arg_specs.PagePackSpec("nvfp4", "key", 16, 3, 32, dtype)
+        pages, expected = xla_packed(spec)
+        assert_trees_same_bytes(pack_pages(pages, **spec.kwargs, backend=self.backend), expected)
+
+    def test_pack_paged_dispatches(self):
+        spec = arg_specs.PagePackSpec("int4", "value", 32, 1, 64, "float32", 32)
+        pages, expected = xla_packed(spec)
+        got = pack_paged(pages[:3], **spec.kwargs, backend=self.backend)
+        assert_trees_same_bytes(got, jax.tree.map(lambda a: a[:3], expected))
+
+    def test_zero_pages(self):
+        pages = jnp.zeros((0, 16, 2, 64), jnp.bfloat16)
+        for fmt in ("int4", "nvfp4"):
+            got = pack_pages(pages, kind="key", format=fmt, backend=self.backend)
+            assert_trees_same_bytes(got, pack_paged(pages, kind="key", format=fmt, backend="xla"))
+
+    def test_append_loops(self):
+        """The cache's append (loop 0 pages and loop 1 residual deltas) packs with the kernel
+        and stores the same bytes as the XLA path."""
+        config = PagedCacheConfig(
+            num_pages=6, page_size=16, num_heads=2, head_dim=64, dtype=jnp.bfloat16,
+            num_loops=2, k_base_format="int4", k_residual_format="nvfp4",
+            v_base_format="nvfp4", v_residual_format="int4", k_group_size=8, max_seqs=2,
+        )  # fmt: skip
+        rng = np.random.default_rng(1)
+        kv = rng.standard_normal((2, 2, 2, 40, 2, 64)).astype(ml_dtypes.bfloat16)
+        tables = jnp.asarray([[0, 2, 4], [1, 3, 5]], jnp.int32)
+        seq_ids = jnp.asarray([0, 1], jnp.int32)
+        caches = {}
+        for backend in ("xla", self.backend):
+            cache = init_cache(config)
+            for loop in range(2):
+                k, v = jnp.asarray(kv[loop, 0]), jnp.asarray(kv[loop, 1])
+                cache = append(
+                    cache, k, v, block_tables=tables, seq_ids=seq_ids, loop=loop, backend=backend
+                )
+            caches[backend] = cache
+        assert_trees_same_bytes(caches[self.backend], caches["xla"], "cache")
+
+
+class TestXLA(PagePackBase):
+    backend = "xla"
+
+
+class TestPallasInterpret(PagePackBase):
+    backend = "pallas_interpret"
+
+
+# -- oracle -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        arg_specs.PagePackSpec("int4", "key", 16, 2, 16, "bfloat16", 8),
+        arg_specs.PagePackSpec("int4", "value", 16, 2, 16, "float32", 8),
+        arg_specs.PagePackSpec("nvfp4", "key", 16, 2, 16, "float16"),
+        arg_specs.PagePackSpec("fp8_e4m3", "value", 16, 2, 16, "float32"),
+    ],
+    ids=lambda s: s.name,
+)
+def test_kernel_matches_oracle(spec):
+    pages = edge_pages(spec, seed=3)
+    got = pack_pages(jnp.asarray(pages), **spec.kwargs, backend="pallas_interpret")
+    axis, group_size = resolve_paged(
+        spec.format, spec.kind, pages.shape[1:], spec.axis, spec.group_size
+    )
+    for i, page in enumerate(pages):
+        want = oracle.pack(
+            page, format=spec.format, kind=spec.kind, group_size=group_size, axis=axis
+        )
+        assert_packed_equal(jax.tree.map(lambda a, i=i: a[i], got), want.arrays, f"page {i}")
+
+
+def test_e4m3_encode_matches_cast():
+    """The kernel's arithmetic f32 -> E4M3 rounding equals XLA's cast on [0, 448]: every E4M3
+    value, every midpoint between neighbours (ties to even), the values one float32 ulp either
+    side of them, and random values across the range (log-uniform, subnormal E4M3 included)."""
+    grid = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    mids = (grid[:-1] + grid[1:]) / 2
+    pts = np.concatenate([grid, mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf)])
+    rand = np.exp(np.random.default_rng(0).uniform(np.log(1e-4), np.log(448.0), 20000))
+    a = np.concatenate([pts, rand, [0.0, 2.0**-10, 448.0, np.nan]]).astype(np.float32)
+    code, value = jax.jit(functools.partial(pallas_triton._e4m3_encode, interpret=True))(a)
+    want = jnp.asarray(a).astype(jnp.float8_e4m3fn)
+    assert_same_bytes(np.asarray(code).astype(np.uint8), np.asarray(want).view(np.uint8), "code")
+    assert_same_bytes(np.asarray(value), np.asarray(want.astype(jnp.float32)), "value")
+
+
+# -- Triton lowering --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", arg_specs.SPECS, ids=lambda s: s.name)
+def test_kernel_lowers_for_cuda(spec):
+    axis, group_size = resolve_paged(
+        spec.format, spec.kind, spec.shape(1)[1:], spec.axis, spec.group_size
+    )
+    assert config_support(spec.shape(5), spec.np_dtype, **spec.kwargs) is None
+    kernel = functools.partial(
+        pallas_triton.pack_pages,
+        kind=spec.kind,
+        format=spec.format,
+        axis=axis,
+        group_size=group_size,
+        interpret=False,
+    )
+    lowered = jax.jit(kernel).trace(spec.shape_dtype_struct(5)).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1  # one fused kernel per call
+    assert "num_warps" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", arg_specs.SPECS, ids=lambda s: s.name)
+def test_compiled_kernel_matches_xla_on_gpu(spec):
+    if not ON_GPU:
+        pytest.skip(kernel_backend.pallas_device_support())
+    pages, expected = xla_packed(spec)
+    assert_trees_same_bytes(pack_pages(pages, **spec.kwargs, backend="pallas"), expected)
+    assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend="auto"), expected)
+
+
+# -- errors and fallbacks ---------------------------------------------------------------------
+
+
+def test_bad_backend():
+    pages = jnp.zeros((2, 16, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="backend"):
+        pack_pages(pages, kind="key", backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        pack_paged(pages, kind="key", backend="cuda")
+
+
+def test_invalid_arguments_raise_as_pack_paged():
+    pages = jnp.zeros((2, 16, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="must divide page_size"):
+        pack_pages(pages, kind="key", group_size=32, backend="pallas_interpret")
+    with pytest.raises(ValueError, match="group_size must be 16"):
+        pack_pages(pages, kind="key", format="nvfp4", group_size=8)
+    with pytest.raises(ValueError, match="rank 4"):
+        pack_pages(pages[0], kind="key")
+    with pytest.raises(TypeError, match="dtype"):
+        pack_pages(pages.astype(jnp.int32), kind="key")
+
+
+@pytest.mark.parametrize(
+    "shape, kwargs, reason",
+    [
+        ((2, 48, 2, 64), dict(kind="key"), "page_size 48"),
+        ((2, 16, 2, 96), dict(kind="value", format="fp8_e4m3"), "D=96"),
+        ((2, 16, 2, 8), dict(kind="value", format="nvfp4"), "partial channel group"),
+        ((2, 16, 2, 64), dict(kind="value", group_size=48), "partial channel group"),
+        ((2, 256, 1, 256), dict(kind="key", format="nvfp4"), "tile limit"),
+    ],
+)
+def test_unsupported_config(shape, kwargs, reason):
+    """config_support names the reason; explicit Pallas raises (auto: next test)."""
+    assert reason in config_support(shape, np.float32, **kwargs)
+    pages = jnp.zeros(shape, jnp.float32)
+    for backend in ("pallas", "pallas_interpret"):
+        with pytest.raises(ValueError, match=rf"backend='{backend}'.*{reason}"):
+            pack_pages(pages, **kwargs, backend=backend)
+
+
+def test_auto_falls_back_to_xla():
+    """A page size the kernel does not take (48) packs through XLA under auto."""
+    pages = jnp.asarray(np.random.default_rng(0).standard_normal((2, 48, 2, 64)), jnp.float32)
+    assert config_support(pages.shape, pages.dtype, kind="key") is not None
+    assert_trees_same_bytes(
+        pack_pages(pages, kind="key", backend="auto"),
+        pack_paged(pages, kind="key", backend="xla"),
+    )
+
+
+@pytest.mark.skipif(ON_GPU, reason="the device runs the kernel")
+def test_pallas_needs_a_cuda_device():
+    pages = jnp.zeros((2, 16, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"backend='pallas'.*CUDA"):
+        pack_pages(pages, kind="key", backend="pallas")
+    # auto runs XLA here
+    assert_trees_same_bytes(
+        pack_pages(pages, kind="key"), pack_paged(pages, kind="key", backend="xla")
+    )
+
+
+def test_storage_bytes():
+    read, written = api.storage_bytes((4, 16, 2, 64), jnp.bfloat16, kind="key", format="nvfp4")
+    assert read == 4 * 16 * 2 * 64 * 2
+    assert written == 4 * (16 * 2 * 32 + 2 * 64 + 4)

@@ -1,0 +1,282 @@
+"""Page reconstruction (kvq_jax.kernels.page_reconstruct): every backend returns
+`paged_cache.decode_pages`' (XLA) bytes for loop l of the requested physical pages.
+
+- `ReconstructBase` runs per backend (subclasses: XLA, Pallas interpret mode) over
+  `arg_specs.TEST_SPECS` (every base/residual format pair of int4 / nvfp4 / fp8 as K or V,
+  INT4 groups along tokens and channels, H 1-3, bf16 / fp16 / fp32). Caches are built with
+  `init_cache` + `append`; their pages hold normal data, an all signed-zero base page with
+  tiny (1e-30, 1e-37) and subnormal rows in later loops, a NaN in loop 1, and one page id
+  never written (zeros; NVFP4 decodes 0 / 0 = NaN there). Every loop 0..L-1 of both kinds,
+  through `reconstruct_pages`, `decode_pages(backend=...)`, jit and vmap; zero pages.
+- The non-interpret kernel lowers for CUDA (Triton IR) for every `arg_specs.SUPPORTED_SPECS`
+  entry (runs on a CPU; proves the Triton kernel builds), and so does its vmap rule.
+- `--run-gpu`: the compiled kernel against XLA on a real GPU.
+- Errors: unknown backend, unsupported configurations, bad kind / pages / loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_same_values
+
+from kvq_jax.kernels import backend as kernel_backend
+from kvq_jax.kernels.page_reconstruct import api, arg_specs, config_support, reconstruct_pages
+from kvq_jax.kernels.page_reconstruct.pallas_triton import reconstruct_pages_pallas
+from kvq_jax.paged_cache import PagedCacheConfig, append, decode_pages, init_cache
+
+ON_GPU = kernel_backend.pallas_device_support() is None
+#: The sequence's block table: logical pages 0, 1, 2 -> physical 2, 0, 3; page 1 unwritten.
+TABLE = (2, 0, 3)
+#: Page ids asked for: every written page, the unwritten one, a repeat.
+PAGES = np.array([2, 1, 0, 3, 2], np.int32)
+SPEC_IDS = [s.name for s in arg_specs.TEST_SPECS]
+
+
+def make_loops(spec: arg_specs.ReconstructSpec, seed: int = 0):
+    """K, V [L, 1, 3 * page_size, H, D] in the spec's dtype: logical page 0 normal data
+    (each loop a perturbation of the previous), page 1 signed zeros in loop 0 and signed
+    zeros / tiny / subnormal rows later, page 2 normal with one NaN in loop 1 (loop 0 if
+    L = 1)."""
+    rng = np.random.default_rng(seed)
+    ps, h, d, nl = spec.page_size, spec.num_heads, spec.head_dim, spec.num_loops
+    out = []
+    for scale in (1.0, 3.0):
+        steps = (
+            rng.standard_normal((nl, 3, ps, h, d))
+            * np.array([1.0] + [0.2] * (nl - 1))[:, None, None, None, None]
+        )
+        x = (scale * np.cumsum(steps, axis=0)).astype(np.float32)
+        signs = np.where(rng.random((nl, ps, h, d)) < 0.5, -0.0, 0.0).astype(np.float32)
+        x[:, 1] = signs
+        half = ps // 2
+        x[1:, 1, half:] = rng.standard_normal((nl - 1, ps - half, h, d)) * np.float32(1e-30)
+        x[1:, 1, half : half + 2] *= np.float32(1e7)  # ~1e-37 rows, one below 2**-126 * 8
+        x[1:, 1, -1, :, ::5] = np.float32(3e-39)  # subnormal inputs (flushed)
+        x[min(1, nl - 1), 2, ps // 3, h - 1, 5] = np.nan
+        out.append(x.reshape(nl, 1, 3 * ps, h, d).astype(spec.dtype))
+    return out
+
+
+@functools.cache
+def filled(spec: arg_specs.ReconstructSpec):
+    """The cache of `spec` after one append (prefill) per loop."""
+    config = spec.config()
+    k, v = make_loops(spec)
+    tables = jnp.asarray([TABLE], jnp.int32)
+    ids = jnp.zeros(1, jnp.int32)
+
+    @jax.jit
+    def fill(cache, k, v):
+        for loop in range(config.num_loops):
+            cache = append(cache, k[loop], v[loop], block_tables=tables, seq_ids=ids, loop=loop)
+        return cache
+
+    return fill(init_cache(config), k, v)
+
+
+@functools.cache
+def _jitted(name: str, kind: str, loop: int, backend: str):
+    fn = {"reconstruct": reconstruct_pages, "decode_pages": decode_pages}[name]
+    return jax.jit(lambda cache, pages: fn(cache, kind, pages, loop=loop, backend=backend))
+
+
+@functools.cache
+def reference(spec, kind: str, loop: int) -> np.ndarray:
+    return np.asarray(_jitted("decode_pages", kind, loop, "xla")(filled(spec), PAGES))
+
+
+class ReconstructBase:
+    backend: str
+
+    def run(self, spec, kind, loop, pages=PAGES):
+        return _jitted("reconstruct", kind, loop, self.backend)(filled(spec), pages)
+
+    @pytest.mark.parametrize("kind", arg_specs.KINDS)
+    @pytest.mark.parametrize("spec", arg_specs.TEST_SPECS, ids=SPEC_IDS)
+    def test_every_loop_matches_decode_pages(self, spec, kind):
+        for loop in range(spec.num_loops):
+            ref = reference(spec, kind, loop)
+            got = self.run(spec, kind, loop)
+            assert got.shape == (len(PAGES), spec.page_size, spec.num_heads, spec.head_dim)
+            assert_same_values(got, ref, f"{spec.name} {kind} loop {loop}")
+            # The data reach the cases they are meant to: NaN in loop >= 1 of page 3, exact
+            # signed zeros in the all-zero base page.
+            if loop >= 1:
+                assert np.isnan(ref[3].astype(np.float32)).any()
+            if loop == 0:  # only NVFP4 keeps -0.0 (INT4 / FP8 store +0 minimum / codes)
+                zeros = ref[2].astype(np.float32)
+                base_format = spec.k_base_format if kind == "key" else spec.v_base_format
+                assert not zeros.any()
+                assert np.signbit(zeros).any() == (base_format == "nvfp4")
+
+    def test_decode_pages_backend_and_jit(self):
+        spec = arg_specs.TEST_SPECS[0]
+        loop = spec.num_loops - 1
+        got = _jitted("decode_pages", "value", loop, self.backend)(filled(spec), PAGES)
+        assert_same_values(got, reference(spec, "value", loop), "decode_pages(backend=...)")
+        eager = reconstruct_pages(filled(spec), "key", PAGES, loop=loop, backend=self.backend)
+        assert_same_values(eager, reference(spec, "key", loop), "eager call")
+
+    def test_vmap_over_page_ids(self):
+        """Batched page ids (as `gather_batch` vmaps `reconstruct`) give per-row results."""
+        spec = arg_specs.TEST_SPECS[1]
+        loop = spec.num_loops - 1
+        batch = np.stack([PAGES, PAGES[::-1]])
+        fn = jax.jit(
+            jax.vmap(
+                lambda c, p: reconstruct_pages(c, "key", p, loop=loop, backend=self.backend),
+                in_axes=(None, 0),
+            )
+        )
+        got = np.asarray(fn(filled(spec), batch))
+        ref = reference(spec, "key", loop)
+        assert_same_values(got[0], ref, "vmap row 0")
+        assert_same_values(got[1], ref[::-1], "vmap row 1")
+
+    def test_vmap_over_caches(self):
+        """A batched cache (two copies, the second with its page order reversed) runs one
+        call per batch entry."""
+        spec = arg_specs.TEST_SPECS[4]
+        cache = filled(spec)
+        stacked = jax.tree.map(lambda a: jnp.stack([a, a]), cache)
+        fn = jax.jit(
+            jax.vmap(
+                lambda c, p: reconstruct_pages(c, "value", p, loop=1, backend=self.backend),
+                in_axes=(0, None),
+            )
+        )
+        got = np.asarray(fn(stacked, PAGES))
+        ref = reference(spec, "value", 1)
+        assert_same_values(got[0], ref, "cache 0")
+        assert_same_values(got[1], ref, "cache 1")
+
+    def test_zero_pages(self):
+        spec = arg_specs.TEST_SPECS[2]
+        got = reconstruct_pages(
+            filled(spec), "value", np.zeros(0, np.int32), loop=1, backend=self.backend
+        )
+        assert got.shape == (0, spec.page_size, spec.num_heads, spec.head_dim)
+        assert got.dtype == jnp.dtype(spec.dtype)
+
+
+class TestXLA(ReconstructBase):
+    backend = "xla"
+
+
+class TestPallasInterpret(ReconstructBase):
+    backend = "pallas_interpret"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with compute capability >= 8.0")
+class TestPallasGPU(ReconstructBase):
+    backend = "pallas"
+
+    def test_bench_sized_pages(self):
+        """Ouro-sized pages (H 16, D 128), every loop, random page order."""
+        for spec in arg_specs.BENCH_SPECS[:4]:
+            small = dataclasses.replace(spec, num_pages=4)
+            pages = jnp.asarray(PAGES)
+            for kind in arg_specs.KINDS:
+                for loop in range(small.num_loops):
+                    got = _jitted("reconstruct", kind, loop, "pallas")(filled(small), pages)
+                    ref = _jitted("decode_pages", kind, loop, "xla")(filled(small), pages)
+                    assert_same_values(got, ref, f"{small.name} {kind} loop {loop}")
+
+
+# -- GPU lowering (CPU-only check that the Triton kernel builds) -----------------------------
+
+
+def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
+    cache = spec.abstract_cache()
+    base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
+    delta = delta if loop else None
+    if batch is None:
+        fn = functools.partial(reconstruct_pages_pallas, loop=loop, interpret=False)
+        pages = spec.page_ids(8)
+    else:
+        fn = jax.vmap(api._batchable(loop, False), in_axes=(None, None, 0))
+        pages = jax.ShapeDtypeStruct((batch, 8), jnp.int32)
+    lowered = jax.jit(fn).trace(base, delta, pages).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text, "no Triton kernel in the lowered module"
+    # The Triton IR (MLIR bytecode in the custom call) names each op kind once in its string
+    # table: no arith.divf (Triton's divf is div.full.f32, not IEEE) and no arith.addf (a
+    # plain add after a multiply may be contracted to an FMA); both go through `_exact`.
+    ir = text[text.index("__gpu$xla.gpu.triton") :]
+    assert "divf" not in ir and "addf" not in ir, "plain float division / add in the kernel"
+    return text
+
+
+@pytest.mark.parametrize(
+    "spec", arg_specs.SUPPORTED_SPECS, ids=[s.name for s in arg_specs.SUPPORTED_SPECS]
+)
+def test_lowers_for_cuda(spec):
+    for kind in arg_specs.KINDS:
+        assert config_support(spec.config(), kind) is None
+        lower_for_cuda(spec, kind, spec.loop)
+
+
+def test_lowers_for_cuda_loop0_and_vmap():
+    spec = arg_specs.SUPPORTED_SPECS[0]
+    for kind in arg_specs.KINDS:
+        lower_for_cuda(spec, kind, 0)
+        lower_for_cuda(spec, kind, spec.loop, batch=3)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_errors():
+    spec = arg_specs.TEST_SPECS[0]
+    cache = filled(spec)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        reconstruct_pages(cache, "key", PAGES, loop=0, backend="triton")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        reconstruct_pages(cache, "keys", PAGES, loop=0)
+    with pytest.raises(ValueError, match="loop must be in"):
+        reconstruct_pages(cache, "key", PAGES, loop=spec.num_loops)
+    with pytest.raises(TypeError, match="static int"):
+        reconstruct_pages(cache, "key", PAGES, loop=1.0)
+    with pytest.raises(ValueError, match="rank 1"):
+        reconstruct_pages(cache, "key", PAGES[None], loop=0)
+    with pytest.raises(TypeError, match="int32"):
+        reconstruct_pages(cache, "key", PAGES.astype(np.float32), loop=0)
+    with pytest.raises(TypeError, match="PagedKVCache"):
+        reconstruct_pages(cache.k_base, "key", PAGES, loop=0)
+    with pytest.raises(TypeError, match="PagedCacheConfig"):
+        config_support(cache, "key")
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="CUDA GPU"):
+            reconstruct_pages(cache, "key", PAGES, loop=0, backend="pallas")
+
+
+@pytest.mark.parametrize(
+    "overrides, kind, reason",
+    [
+        (dict(page_size=12, k_group_size=4), "key", "page_size 12 is not a power of two"),
+        (dict(head_dim=48), "value", "head_dim 48 is not a power of two"),
+        (dict(page_size=512, head_dim=128), "key", "exceeds"),
+        (dict(v_group_size=48), "value", "group size 48 along channels"),
+        (dict(k_group_size=2, page_size=6, num_loops=1), "key", "page_size 6"),
+    ],
+)
+def test_unsupported_configs(overrides, kind, reason):
+    """config_support names the reason; "pallas_interpret" raises it, "auto" falls back to
+    XLA."""
+    base = dict(num_pages=2, page_size=16, num_heads=1, head_dim=64, num_loops=2)
+    config = PagedCacheConfig(**{**base, **overrides})
+    assert reason in config_support(config, kind)
+    cache = init_cache(config)
+    pages = np.array([1, 0], np.int32)
+    with pytest.raises(ValueError, match="pallas_interpret"):
+        reconstruct_pages(cache, kind, pages, loop=0, backend="pallas_interpret")
+    got = reconstruct_pages(cache, kind, pages, loop=0, backend="auto")
+    ref = decode_pages(cache, kind, pages, loop=0, backend="xla")
+    assert_same_values(got, ref, "auto fallback")

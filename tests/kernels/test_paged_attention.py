@@ -1,0 +1,307 @@
+"""Quantized paged decode attention (kvq_jax.kernels.paged_attention).
+
+- `PagedAttentionBase` runs per backend (subclasses: XLA, Pallas interpret mode) over
+  `arg_specs.SPECS`: INT4 / NVFP4 / FP8 planes (mixed K/V and base/residual formats), GQA
+  ratios 1, 2, 4 (broadcast path) and 8 (pl.dot path), loop 0 and loops 1-2 through the
+  residual chain, pages of 16/32/64 tokens, D 64/128, sink rows 0/3/5, f32/bf16/f16 caches,
+  B 2-3 sequences of different lengths (not multiples of the page size, partial pages in
+  staging, one attending a prefix of what it stores), block tables with non-contiguous
+  physical pages. Each output is held to (a) the XLA reference on the same cache and (b)
+  `dense_decode_attention` on the reconstructed KV (`gather_batch`), at RTOL = ATOL = 2e-5
+  (float32 accumulation in another order; measured max |diff| ~6e-7 for outputs ~1-3). Also:
+  several splits per sequence (uneven lengths, empty splits), permuted seq_ids, prefixes down
+  to one token (new seq_lens, same compiled kernel), loop 0 of a 3-loop cache.
+- The non-interpret kernel lowers for CUDA (Triton IR) for every supported spec
+  (`arg_specs.SUPPORTED_SPECS`, production shapes included) and split count: this runs on a
+  CPU and proves the Triton kernel builds.
+- `--run-gpu`: the compiled kernel against XLA on a real GPU (RTOL = ATOL = 1e-4: Triton's
+  exp is an ex2.approx).
+- Errors and dispatch: unsupported configurations (auto falls back, explicit pallas raises
+  naming the argument), bad num_splits / backend, the reference's argument checks, and
+  `kvq_jax.paged_attention.paged_decode_attention(backend=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_same_bytes
+
+import kvq_jax.paged_attention as reference
+from kvq_jax.kernels import backend as kernel_backend
+from kvq_jax.kernels.paged_attention import api, arg_specs, config_support, pallas_triton
+from kvq_jax.paged_attention import dense_decode_attention, gather_batch
+
+ON_GPU = kernel_backend.pallas_device_support() is None
+RTOL = ATOL = 2e-5
+GPU_RTOL = GPU_ATOL = 1e-4
+SPEC_IDS = [s.name for s in arg_specs.SPECS]
+
+
+@functools.cache
+def inputs(spec: arg_specs.PagedAttentionSpec) -> arg_specs.Inputs:
+    return arg_specs.make_inputs(spec)
+
+
+@functools.cache
+def xla_out(spec, loop, seq_lens: tuple, seq_ids: tuple):
+    """The XLA reference (seq_ids None when they are 0..B-1: one compile per spec)."""
+    inp = inputs(spec)
+    q, ids = _permuted(inp.q, seq_ids)
+    identity = seq_ids == tuple(range(spec.batch))
+    return reference.paged_decode_attention(
+        q, inp.cache, inp.block_tables, jnp.asarray(seq_lens, jnp.int32), loop=loop,
+        seq_ids=None if identity else ids, backend="xla",
+    )  # fmt: skip
+
+
+@functools.cache
+def dense_out(spec):
+    """(b): dense attention on the reconstructed KV (`gather_batch`), one jitted program."""
+    inp = inputs(spec)
+
+    @jax.jit
+    def dense(q, cache, tables, lens):
+        k, v = gather_batch(cache, tables, lens, loop=spec.loop)
+        return dense_decode_attention(q, k, v, lens)
+
+    return dense(*inp.args())
+
+
+def _permuted(q, seq_ids: tuple):
+    ids = np.asarray(seq_ids, np.int32)
+    return q[ids], jnp.asarray(ids)
+
+
+def assert_close(out, expected, what, rtol=RTOL, atol=ATOL):
+    out, expected = np.asarray(out), np.asarray(expected)
+    assert out.shape == expected.shape and out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, rtol=rtol, atol=atol, err_msg=what)
+
+
+class PagedAttentionBase:
+    backend: str
+
+    def run(self, spec, *, loop=None, seq_lens=None, seq_ids=None, num_splits=None):
+        inp = inputs(spec)
+        loop = spec.loop if loop is None else loop
+        ids = tuple(range(spec.batch)) if seq_ids is None else seq_ids
+        lens = np.asarray(inp.seq_lens)[list(ids)] if seq_lens is None else seq_lens
+        q, id_array = _permuted(inp.q, ids)
+        out = api.paged_decode_attention(
+            q, inp.cache, inp.block_tables, jnp.asarray(lens, jnp.int32), loop=loop,
+            seq_ids=None if seq_ids is None else id_array, backend=self.backend,
+            num_splits=num_splits,
+        )  # fmt: skip
+        return out, xla_out(spec, loop, tuple(int(n) for n in lens), ids)
+
+    @pytest.mark.parametrize("spec", arg_specs.SPECS, ids=SPEC_IDS)
+    def test_matches_reference_and_dense(self, spec):
+        out, ref = self.run(spec)
+        assert_close(out, ref, "vs XLA reference")
+        assert_close(out, dense_out(spec), "vs dense attention on gather_batch")
+        assert np.all(np.isfinite(np.asarray(out)))
+
+    @pytest.mark.parametrize("spec", arg_specs.SPECS, ids=SPEC_IDS)
+    def test_splits_permuted_slots_and_prefixes(self, spec):
+        """3 splits of every sequence's pages (uneven lengths: the shorter sequences leave
+        splits empty), slots in reverse order, then prefixes of the stored lengths (down to
+        one token, a page boundary, one token past it) through the same compiled call."""
+        ids = tuple(range(spec.batch))[::-1]
+        out, ref = self.run(spec, seq_ids=ids, num_splits=3)
+        assert_close(out, ref, "3 splits, reversed slots")
+        _, stored = spec.lengths()
+        ps = spec.page_size
+        for lens in (np.ones(spec.batch), np.minimum(stored, ps), np.minimum(stored, ps + 1)):
+            lens = lens.astype(np.int32)[list(ids)]
+            out, ref = self.run(spec, seq_ids=ids, seq_lens=lens, num_splits=3)
+            assert_close(out, ref, f"prefix {lens.tolist()}")
+
+    def test_loop0_of_a_multi_loop_cache(self):
+        spec = arg_specs.SPECS[1]  # 3 loops, sink rows, GQA 4, bf16
+        out, ref = self.run(spec, loop=0)
+        assert_close(out, ref, "loop 0")
+        assert not np.allclose(np.asarray(out), np.asarray(self.run(spec)[1]), atol=1e-3)
+
+
+class TestXLA(PagedAttentionBase):
+    backend = "xla"
+
+    def test_xla_is_the_reference_bytes(self):
+        spec = arg_specs.SPECS[0]
+        out, ref = self.run(spec)
+        assert_same_bytes(out, ref, "xla backend")
+
+
+class TestPallasInterpret(PagedAttentionBase):
+    backend = "pallas_interpret"
+
+
+def test_one_token_is_its_value_row():
+    """A one-token sequence attends only to it: the output is its V row (the raw sink row
+    here) for every query head."""
+    spec = arg_specs.SPECS[1]
+    inp = inputs(spec)
+    lens = jnp.ones(spec.batch, jnp.int32)
+    out = api.paged_decode_attention(
+        inp.q, inp.cache, inp.block_tables, lens, loop=spec.loop, backend="pallas_interpret",
+        num_splits=3,
+    )  # fmt: skip
+    v0 = np.asarray(inp.cache.v_sink[spec.loop, :, 0], np.float32)  # [B, H, D]
+    expect = np.repeat(v0, spec.group, axis=1)
+    np.testing.assert_array_equal(np.asarray(out), expect)
+
+
+# -- Triton lowering --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", arg_specs.SUPPORTED_SPECS, ids=lambda s: s.name)
+def test_kernel_lowers_for_cuda(spec):
+    shapes = arg_specs.input_shapes(spec)
+    assert config_support(shapes.q, shapes.cache, shapes.block_tables, loop=spec.loop) is None
+
+    def kernel(q, cache, tables, lens, ids):
+        return pallas_triton.paged_decode_attention(
+            q, cache, tables, lens, ids, loop=spec.loop, num_splits=3, interpret=False
+        )
+
+    lowered = (
+        jax.jit(kernel)
+        .trace(shapes.q, shapes.cache, shapes.block_tables, shapes.seq_lens, shapes.seq_ids)
+        .lower(lowering_platforms=("cuda",))
+    )
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text and "kvq_paged_decode_attention" in text
+
+
+@pytest.mark.parametrize("spec", [arg_specs.SPECS[2], arg_specs.SPECS[3]], ids=lambda s: s.name)
+def test_uint16_view_of_large_uint8_arrays(spec, monkeypatch):
+    """uint8 arrays of >= 2**31 bytes reach the kernel as uint16 pairs (Triton's int32
+    offsets); forced here for every uint8 array (threshold 1 byte): same output in interpret
+    mode, and the Triton lowering takes the uint16 tiles."""
+    monkeypatch.setattr(pallas_triton, "WIDE_INDEX_BYTES", 1)
+    inp = inputs(spec)
+
+    def kernel(q, cache, tables, lens, ids, interpret):
+        return pallas_triton.paged_decode_attention(
+            q, cache, tables, lens, ids, loop=spec.loop, num_splits=2, interpret=interpret
+        )
+
+    args = (*inp.args(), inp.seq_ids)
+    out = jax.jit(functools.partial(kernel, interpret=True))(*args)
+    assert_close(out, xla_out(spec, spec.loop, tuple(np.asarray(inp.seq_lens).tolist()),
+                              tuple(range(spec.batch))), "uint16 view")  # fmt: skip
+    lowered = jax.jit(functools.partial(kernel, interpret=False)).trace(*args)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "ui16>" in text  # the uint16 operands
+
+
+# -- real GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", arg_specs.SPECS, ids=SPEC_IDS)
+def test_compiled_kernel_on_gpu(spec):
+    if not ON_GPU:
+        pytest.skip(kernel_backend.pallas_device_support())
+    inp = inputs(spec)
+    for num_splits in (None, 3):
+        out = api.paged_decode_attention(
+            *inp.args(), loop=spec.loop, backend="pallas", num_splits=num_splits
+        )
+        ref = api.paged_decode_attention(*inp.args(), loop=spec.loop, backend="xla")
+        assert_close(out, ref, f"GPU, {num_splits} splits", GPU_RTOL, GPU_ATOL)
+    assert_close(
+        reference.paged_decode_attention(*inp.args(), loop=spec.loop),  # auto: the kernel
+        ref, "auto on GPU", GPU_RTOL, GPU_ATOL,
+    )  # fmt: skip
+
+
+# -- dispatch and errors ----------------------------------------------------------------------
+
+
+def _small_page_inputs():
+    spec = dataclasses.replace(arg_specs.SPECS[0], name="p8", page_size=8, context=12)
+    return spec, inputs(spec)
+
+
+def test_unsupported_config_falls_back_or_raises():
+    spec, inp = _small_page_inputs()
+    reason = config_support(inp.q, inp.cache, inp.block_tables)
+    assert reason is not None and "page_size = 8" in reason
+    auto = api.paged_decode_attention(*inp.args(), loop=0, backend="auto")
+    assert_same_bytes(auto, xla_out(spec, 0, tuple(np.asarray(inp.seq_lens).tolist()),
+                                    tuple(range(spec.batch))))  # fmt: skip
+    for backend in ("pallas", "pallas_interpret"):
+        with pytest.raises(ValueError, match="page_size"):
+            api.paged_decode_attention(*inp.args(), loop=0, backend=backend)
+
+
+def test_config_support_reasons():
+    def reason(**kw):
+        spec = dataclasses.replace(arg_specs.SPECS[0], name="x", **kw)
+        s = arg_specs.input_shapes(spec)
+        return config_support(s.q, s.cache, s.block_tables)
+
+    assert "head_dim = 48" in reason(head_dim=48)
+    assert "head_dim = 16" in reason(head_dim=16)
+    assert "page_size = 24" in reason(page_size=24)
+    assert "group size 48" in reason(v_group_size=48)  # channel groups must divide D
+    assert "query heads per KV head" in reason(q_heads=256, kv_heads=2)
+    assert reason(head_dim=128, page_size=64) is None
+
+
+def test_backend_selection_on_this_device():
+    spec = arg_specs.SPECS[0]
+    inp = inputs(spec)
+    if ON_GPU:
+        pytest.skip("CPU-only dispatch checks")
+    # auto on CPU: the XLA reference, bit for bit (also through kvq_jax.paged_attention).
+    ref = reference.paged_decode_attention(*inp.args(), loop=0, backend="xla")
+    assert_same_bytes(api.paged_decode_attention(*inp.args(), loop=0), ref, "api auto")
+    assert_same_bytes(reference.paged_decode_attention(*inp.args(), loop=0), ref, "auto")
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        api.paged_decode_attention(*inp.args(), loop=0, backend="pallas")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        api.paged_decode_attention(*inp.args(), loop=0, backend="triton")
+
+
+def test_reference_module_dispatches_to_the_kernel():
+    spec = arg_specs.SPECS[0]
+    inp = inputs(spec)
+    out = reference.paged_decode_attention(*inp.args(), loop=0, backend="pallas_interpret")
+    assert_close(out, xla_out(spec, 0, tuple(np.asarray(inp.seq_lens).tolist()),
+                              tuple(range(spec.batch))), "kvq_jax.paged_attention")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_argument_errors(backend):
+    spec = arg_specs.SPECS[0]
+    inp = inputs(spec)
+    q, cache, tables, lens = inp.args()
+    call = functools.partial(api.paged_decode_attention, backend=backend)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        call(q, cache, tables, lens, loop=0, num_splits=0)
+    with pytest.raises(TypeError, match="num_splits"):
+        call(q, cache, tables, lens, loop=0, num_splits=2.0)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        call(q[:, :1].repeat(3, 1), cache, tables, lens, loop=0)
+    with pytest.raises(ValueError, match="D = 8"):
+        call(q[..., :8], cache, tables, lens, loop=0)
+    with pytest.raises(TypeError, match="int32"):
+        call(q, cache, tables, lens.astype(jnp.float32), loop=0)
+    with pytest.raises(ValueError, match="loop must be in"):
+        call(q, cache, tables, lens, loop=1)
+    with pytest.raises(ValueError, match="block_tables"):
+        call(q, cache, tables[:1], lens, loop=0)
+    with pytest.raises(ValueError, match="seq_ids has 1 entries"):
+        call(q, cache, tables, lens, loop=0, seq_ids=jnp.zeros(1, jnp.int32))
+    with pytest.raises(ValueError, match="q has B"):
+        call(q[:1], cache, tables, lens, loop=0)
+    with pytest.raises(TypeError, match="PagedKVCache"):
+        call(q, {"not": "a cache"}, tables, lens, loop=0)
