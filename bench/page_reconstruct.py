@@ -88,12 +88,12 @@ def random_cache(spec: arg_specs.ReconstructSpec, seed: int = 0):
     return dataclasses.replace(empty, **filled)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = _timing.bench_parser(__doc__)
     parser.add_argument("--batch", type=int, default=None, help="sequences (default 8)")
     parser.add_argument("--context", type=int, default=None, help="tokens (default 4096)")
     parser.add_argument("--backends", default=None, help="comma list (default: available)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     batch = args.batch or (2 if args.quick else 8)
     context = args.context or (1024 if args.quick else 4096)
     warmup, repeats = _timing.repeat_counts(args, quick=(1, 3), full=(3, 20))
@@ -172,7 +172,8 @@ def main() -> None:
         )
     )
     _timing.report(args, header, rows, COLUMNS, batch=batch, context=context)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
