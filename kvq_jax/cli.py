@@ -5,12 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvq_jax.report.command import REPORT_DESCRIPTION, add_common_arguments
+from kvq_jax.report.command import add_arguments as add_report_arguments
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvq", description="4-bit KV-cache codecs for looped LMs."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    report = sub.add_parser(
+        "report",
+        help="compare KV storage policies on real captured K/V/Q (the main job)",
+        description=REPORT_DESCRIPTION,
+    )
+    add_report_arguments(report)
     demo = sub.add_parser("demo", help="pack/unpack every format on a built-in tensor")
     demo.add_argument("--repeats", type=int, default=5, help="timed runs per format (median)")
     conf = sub.add_parser(
@@ -73,8 +82,48 @@ def conformance(args) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+def _wants_model(argv: list[str]) -> bool:
+    """`kvq report ... --model NAME ...` (checked before parsing: the model options are only
+    known once kvq_torch_bridge.model_eval is imported)."""
+    return (
+        bool(argv)
+        and argv[0] == "report"
+        and any(a == "--model" or a.startswith("--model=") for a in argv[1:])
+    )
+
+
+def model_report(argv: list[str]) -> int:
+    """`kvq report --model NAME ...`: hand over to kvq_torch_bridge.model_eval (lazy import,
+    so the capture report never imports torch)."""
+    try:
+        from kvq_torch_bridge.model_eval import add_model_arguments, run_model_report
+    except ImportError as e:
+        missing = getattr(e, "name", None) or ""
+        if missing.startswith("kvq_torch_bridge.model_eval") or missing == "kvq_torch_bridge":
+            reason = "kvq_torch_bridge.model_eval is not part of this installation"
+        else:
+            reason = f"{e} (install the model extra: pip install -e '.[eval]')"
+        print(f"kvq report: error: --model is unavailable: {reason}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(
+        prog="kvq report",
+        description="Model-level evaluation of KV storage policies (kvq_torch_bridge).",
+        conflict_handler="resolve",
+    )
+    add_common_arguments(parser)
+    add_model_arguments(parser)
+    return int(run_model_report(parser.parse_args(argv)))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _wants_model(argv):
+        return model_report(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "report":
+        from kvq_jax.report import command
+
+        return command.run(args)
     if args.command == "demo":
         from kvq_jax import demo
 

@@ -20,7 +20,7 @@ def test_two_setup_commands_and_ci_runs_the_test_command():
     blocks = bash_blocks(README)
     assert len(blocks) == 2, blocks
     main_job, tests = blocks
-    assert main_job.endswith("kvq demo")
+    assert main_job.endswith("kvq report")
     assert "pytest" in tests
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in ci, f"{tests!r} is not a line of .ci/run"
@@ -44,8 +44,22 @@ def test_python_examples_run_and_their_comments_are_true(capsys):
     assert namespace["j_packed"].format == "int4"
 
 
+def test_main_job_prints_every_policy(capsys):
+    from kvq_jax import cli
+    from kvq_jax.report.capture import EMBEDDED_PATH
+    from kvq_jax.report.policies import POLICIES
+
+    if not EMBEDDED_PATH.exists():
+        pytest.skip(f"the embedded capture {EMBEDDED_PATH.name} is not in this checkout yet")
+    assert cli.main(["report", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    rows = [s for s in (line.split() for line in out.splitlines()) if s and s[0] in POLICIES]
+    assert [r[0] for r in rows] == list(POLICIES)
+    assert rows[0][1:] == ["16.000"] + ["0.000%"] * 8
+
+
 @pytest.mark.parametrize("argv", [["demo", "--repeats", "1"]])
-def test_main_job_prints_every_format(argv, capsys):
+def test_demo_prints_every_format(argv, capsys):
     from kvq_jax import CODECS, cli
 
     assert cli.main(argv) == 0

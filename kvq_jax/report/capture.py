@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import zipfile
 from typing import Any
 
 import ml_dtypes
@@ -101,16 +102,37 @@ def load_capture(path=None) -> Capture:
     path = EMBEDDED_PATH if path is None else pathlib.Path(path)
     if not path.exists():
         raise FileNotFoundError(f"kv capture {path} does not exist")
-    with np.load(path, allow_pickle=False) as f:
-        missing = {"k", "v"} - set(f.files)
-        if missing:
-            raise ValueError(f"{path}: missing array(s) {sorted(missing)} (need k and v)")
-        arrays = {n: f[n] for n in ("k", "v", "q") if n in f.files}
-        dtype = str(f["dtype"]) if "dtype" in f.files else None
-        meta = json.loads(str(f["meta"])) if "meta" in f.files else {}
+    try:
+        f = np.load(path, allow_pickle=False)
+        if not isinstance(f, np.lib.npyio.NpzFile):
+            raise ValueError("a single .npy array, not an .npz archive")
+        with f:
+            missing = {"k", "v"} - set(f.files)
+            if missing:
+                raise ValueError(f"missing array(s) {sorted(missing)} (need k and v)")
+            arrays = {n: f[n] for n in ("k", "v", "q") if n in f.files}
+            dtype = str(f["dtype"]) if "dtype" in f.files else None
+            meta = json.loads(str(f["meta"])) if "meta" in f.files else {}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: not a readable kv capture: {e}") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
     if dtype == "bfloat16":
         for name, a in arrays.items():
             if a.dtype != np.uint16:
                 raise TypeError(f"{path}: dtype says bfloat16, so {name} must be uint16 bits")
             arrays[name] = a.view(ml_dtypes.bfloat16)
-    return make_capture(arrays["k"], arrays["v"], arrays.get("q"), meta)
+    try:
+        return make_capture(arrays["k"], arrays["v"], arrays.get("q"), meta)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{path}: {e}") from e
+
+
+def select(capture: Capture, windows=None, layers=None) -> Capture:
+    """The capture restricted to some window and layer indices (None: all of them)."""
+    k, v, q = capture.k, capture.v, capture.q
+    if windows is not None:
+        k, v, q = (None if x is None else x[list(windows)] for x in (k, v, q))
+    if layers is not None:
+        k, v, q = (None if x is None else x[:, :, list(layers)] for x in (k, v, q))
+    return Capture(k=k, v=v, q=q, meta=capture.meta)

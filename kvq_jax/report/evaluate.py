@@ -1,0 +1,271 @@
+"""Per-policy evaluation of `kvq report`: encode every loop stack, decode, measure.
+
+For each policy, the loop stack [L, T, H, D] of every (window, layer) of the capture is packed
+with `kvq_jax.encode_loops(**policy.loop_kwargs(kind))` for K and for V and every loop is
+decoded with `kvq_jax.decode_loops`. All stacks of a capture go through one `jax.vmap`, so each
+policy compiles once. Measured (all relative L2, pooled; see `metrics`):
+
+  bits/element      8 * storage_bytes of the actual codes (K and V) / elements (K and V)
+  K / V             reconstruction of every loop vs the original, all rows
+  loop l            the same for loop l alone (the last entry is the final loop)
+  base / residual   payload errors on the quantized rows (window rows excluded), as in the
+                    seed evaluation: base = decoded loop 0 vs loop 0; residual l = decoded
+                    delta vs the delta it encodes, X_l - R_{l-1} rounded to the input dtype
+  attention         causal GQA attention with the captured queries, original vs decoded K/V:
+                    one error per (layer, query head), pooled over windows, loops, tokens and
+                    dim; mean and max over layers and heads (plus the final loop alone)
+
+"bf16" is the reference row: zero error, the capture dtype's own bits (16 for bfloat16).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax._numerics import subtract_in_dtype
+from kvq_jax.api import unpack_kv
+from kvq_jax.loops import decode_loops, encode_loops
+from kvq_jax.report.capture import Capture
+from kvq_jax.report.metrics import batched_attention, pool, square_sums
+from kvq_jax.report.policies import Policy
+from kvq_jax.report.progress import progress
+
+
+@dataclasses.dataclass
+class PolicyResult:
+    """The numbers of one policy row (errors are fractions, not percent).
+
+    *_loop_rel_l2: one entry per loop; *_residual_rel_l2: one per later loop (empty for a
+    single loop); attention_*: None without queries; attention_layer_head: [layers][q_heads].
+    """
+
+    name: str
+    base_format: str
+    residual_format: str
+    group_size: int | None
+    window: tuple[int, int] | None
+    bits_per_element: float
+    k_bits_per_element: float
+    v_bits_per_element: float
+    k_storage_bytes: int
+    v_storage_bytes: int
+    num_elements: int  # per kind (K or V)
+    k_rel_l2: float
+    v_rel_l2: float
+    k_loop_rel_l2: list[float]
+    v_loop_rel_l2: list[float]
+    k_base_rel_l2: float
+    v_base_rel_l2: float
+    k_residual_rel_l2: list[float]
+    v_residual_rel_l2: list[float]
+    attention_mean: float | None
+    attention_max: float | None
+    attention_final_loop_mean: float | None
+    attention_final_loop_max: float | None
+    attention_layer_head: list[list[float]] | None
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.window is not None:
+            out["window"] = {"sink": self.window[0], "recent": self.window[1]}
+        return out
+
+
+def stacks(x: np.ndarray) -> np.ndarray:
+    """[W, L, N, T, H, D] -> [W * N, L, T, H, D]: one loop stack per (window, layer)."""
+    windows, loops, layers = x.shape[:3]
+    return np.moveaxis(x, 2, 1).reshape(windows * layers, loops, *x.shape[3:])
+
+
+def unstack(x, num_windows: int) -> np.ndarray:
+    """[W * N, L, ...] -> [W, L, N, ...] (inverse of `stacks` on the leading axes)."""
+    x = np.asarray(x)
+    x = x.reshape(num_windows, -1, *x.shape[1:])
+    return np.moveaxis(x, 1, 2)
+
+
+@jax.jit
+def reference_attention(q, k, v) -> jnp.ndarray:
+    """Attention output of the original stacks: float32 [B, L, T, Hq, D]."""
+    return batched_attention(q, k, v)
+
+
+def _stack_sums(stack, kind: str, policy: Policy):
+    """Encode/decode one [L, T, H, D] stack; returns (code, recon, sums) with float32 sums
+    [L, H] (every row of every loop) and [L, H] payload sums (quantized rows: base, residuals).
+    """
+    code = encode_loops(stack, **policy.loop_kwargs(kind))
+    recon = decode_loops(code)
+    rows = stack.shape[1]
+    head, middle, _ = policy.window.split_sizes(rows) if policy.window else (0, rows, 0)
+    mid = slice(head, head + middle)
+    base = square_sums(stack[0, mid], recon[0, mid])
+    payload = [base]
+    for i, residual in enumerate(code.residuals):
+        delta = subtract_in_dtype(stack[i + 1, mid], recon[i, mid])
+        payload.append(square_sums(delta, unpack_kv(residual.payload)))
+    payload_err = jnp.stack([p[0] for p in payload])
+    payload_ref = jnp.stack([p[1] for p in payload])
+    return code, recon, (*square_sums(stack, recon), payload_err, payload_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("policy",))
+def policy_sums(k, v, *, policy: Policy):
+    """One policy on B stacks k, v [B, L, T, H, D]. Returns (k_code, v_code, k_hat, v_hat,
+    sums): batched LoopCodes, the decoded stacks and a dict of float32 partial sums, each
+    [B, L, H]."""
+    k_code, k_hat, k_sums = jax.vmap(lambda s: _stack_sums(s, "key", policy))(k)
+    v_code, v_hat, v_sums = jax.vmap(lambda s: _stack_sums(s, "value", policy))(v)
+    names = ("err", "ref", "payload_err", "payload_ref")
+    sums = {f"k_{n}": s for n, s in zip(names, k_sums, strict=True)}
+    sums.update({f"v_{n}": s for n, s in zip(names, v_sums, strict=True)})
+    return k_code, v_code, k_hat, v_hat, sums
+
+
+@jax.jit
+def attention_sums(q, k_hat, v_hat, ref_out):
+    """Attention error partial sums [B, L, Hq] of decoded stacks against `ref_out` (one
+    compilation shared by every policy)."""
+    return square_sums(ref_out, batched_attention(q, k_hat, v_hat))
+
+
+def _run_policy(policy: Policy, k, v, q, ref_out):
+    start = time.perf_counter()
+    k_code, v_code, k_hat, v_hat, sums = policy_sums(k, v, policy=policy)
+    if q is not None:
+        sums["attn_err"], sums["attn_ref"] = attention_sums(q, k_hat, v_hat, ref_out)
+    jax.block_until_ready(sums)
+    return k_code, v_code, sums, time.perf_counter() - start
+
+
+def _window_tuple(policy: Policy):
+    return None if policy.window is None else (policy.window.sink, policy.window.recent)
+
+
+def _reference_row(policy: Policy, capture: Capture, num_elements: int) -> PolicyResult:
+    loops, layers = capture.num_loops, capture.num_layers
+    bits = 8.0 * np.dtype(capture.dtype).itemsize
+    nbytes = num_elements * np.dtype(capture.dtype).itemsize
+    has_q = capture.q is not None
+    q_heads = capture.q.shape[4] if has_q else 0
+    return PolicyResult(
+        name=policy.name,
+        base_format=policy.base_format,
+        residual_format=policy.residual_format,
+        group_size=policy.group_size,
+        window=_window_tuple(policy),
+        bits_per_element=bits,
+        k_bits_per_element=bits,
+        v_bits_per_element=bits,
+        k_storage_bytes=nbytes,
+        v_storage_bytes=nbytes,
+        num_elements=num_elements,
+        k_rel_l2=0.0,
+        v_rel_l2=0.0,
+        k_loop_rel_l2=[0.0] * loops,
+        v_loop_rel_l2=[0.0] * loops,
+        k_base_rel_l2=0.0,
+        v_base_rel_l2=0.0,
+        k_residual_rel_l2=[0.0] * (loops - 1),
+        v_residual_rel_l2=[0.0] * (loops - 1),
+        attention_mean=0.0 if has_q else None,
+        attention_max=0.0 if has_q else None,
+        attention_final_loop_mean=0.0 if has_q else None,
+        attention_final_loop_max=0.0 if has_q else None,
+        attention_layer_head=[[0.0] * q_heads for _ in range(layers)] if has_q else None,
+        seconds=0.0,
+    )
+
+
+def _row(policy, k_code, v_code, sums, num_windows, num_elements, seconds) -> PolicyResult:
+    s = {n: unstack(a, num_windows) for n, a in sums.items()}  # [W, L, N, H]
+    k_bytes, v_bytes = int(k_code.storage_bytes), int(v_code.storage_bytes)
+    attn = {}
+    if "attn_err" in s:
+        per_lh = pool(s["attn_err"], s["attn_ref"], axis=(0, 1))  # [N, Hq]
+        final = pool(s["attn_err"][:, -1], s["attn_ref"][:, -1], axis=0)  # [N, Hq]
+        attn = dict(
+            attention_mean=float(per_lh.mean()),
+            attention_max=float(per_lh.max()),
+            attention_final_loop_mean=float(final.mean()),
+            attention_final_loop_max=float(final.max()),
+            attention_layer_head=per_lh.tolist(),
+        )
+    else:
+        attn = dict.fromkeys(
+            (
+                "attention_mean",
+                "attention_max",
+                "attention_final_loop_mean",
+                "attention_final_loop_max",
+                "attention_layer_head",
+            )
+        )
+    by_loop = (0, 2, 3)  # pool over windows, layers, heads; keep loops
+    kv = {}
+    for c in ("k", "v"):
+        loops = pool(s[f"{c}_err"], s[f"{c}_ref"], axis=by_loop)
+        payload = pool(s[f"{c}_payload_err"], s[f"{c}_payload_ref"], axis=by_loop)
+        kv[f"{c}_rel_l2"] = pool(s[f"{c}_err"], s[f"{c}_ref"])
+        kv[f"{c}_loop_rel_l2"] = [float(x) for x in loops]
+        kv[f"{c}_base_rel_l2"] = float(payload[0])
+        kv[f"{c}_residual_rel_l2"] = [float(x) for x in payload[1:]]
+    return PolicyResult(
+        name=policy.name,
+        base_format=policy.base_format,
+        residual_format=policy.residual_format,
+        group_size=policy.group_size,
+        window=_window_tuple(policy),
+        bits_per_element=8.0 * (k_bytes + v_bytes) / (2 * num_elements),
+        k_bits_per_element=8.0 * k_bytes / num_elements,
+        v_bits_per_element=8.0 * v_bytes / num_elements,
+        k_storage_bytes=k_bytes,
+        v_storage_bytes=v_bytes,
+        num_elements=num_elements,
+        **kv,
+        **attn,
+        seconds=seconds,
+    )
+
+
+def evaluate(capture: Capture, policies: list[Policy], *, show_progress=None) -> list[PolicyResult]:
+    """One `PolicyResult` per policy, in order (show_progress: None = a bar on a TTY)."""
+    k, v = stacks(capture.k), stacks(capture.v)
+    q = None if capture.q is None else stacks(capture.q)
+    num_elements = math.prod(capture.k.shape)
+    ref_out = None
+    if q is not None and any(p.quantized for p in policies):
+        ref_out = reference_attention(q, k, v)
+    quantized = [p for p in policies if p.quantized]
+    # (at most 8 at a time: each holds its decoded K/V until its row is done)
+    workers = max(1, min(len(quantized), os.cpu_count() or 1, 8))
+    done = {}
+    # Compilation dominates and releases the GIL: run policies in threads, one per core.
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool_:
+        futures = {pool_.submit(_run_policy, p, k, v, q, ref_out): p for p in quantized}
+        bar = progress(
+            concurrent.futures.as_completed(futures),
+            total=len(futures),
+            desc="kvq report",
+            enabled=show_progress,
+        )
+        for future in bar:
+            policy = futures[future]
+            k_code, v_code, sums, seconds = future.result()
+            done[policy] = _row(
+                policy, k_code, v_code, sums, capture.num_windows, num_elements, seconds
+            )
+            if hasattr(bar, "set_postfix_str"):
+                bar.set_postfix_str(policy.name)
+    return [done[p] if p.quantized else _reference_row(p, capture, num_elements) for p in policies]

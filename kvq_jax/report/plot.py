@@ -1,0 +1,94 @@
+"""`kvq report --plot FILE.png`: error (percent) vs bits/element, one labelled point per policy.
+
+Three panels: K reconstruction, V reconstruction and attention output (mean over layers and
+query heads; the panel is left empty without queries). matplotlib is imported lazily with
+the Agg backend (the `plot` extra).
+"""
+
+from __future__ import annotations
+
+from kvq_jax.report.evaluate import PolicyResult
+
+_COLORS = {"int4": "tab:blue", "nvfp4": "tab:orange", "fp8_e4m3": "tab:green", "bf16": "black"}
+
+
+def _color(r: PolicyResult) -> str:
+    if r.base_format != r.residual_format:
+        return "tab:purple"
+    return _COLORS.get(r.base_format, "tab:gray")
+
+
+def write_plot(results: list[PolicyResult], path, title: str = "") -> None:
+    """Write the PNG to `path` (raises ImportError naming the `plot` extra without it)."""
+    try:
+        import matplotlib
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("--plot needs matplotlib: pip install 'kvq[plot]'") from e
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("K relative L2 (%)", lambda r: r.k_rel_l2),
+        ("V relative L2 (%)", lambda r: r.v_rel_l2),
+        ("attention output error, mean over layers x heads (%)", lambda r: r.attention_mean),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.6), constrained_layout=True)
+    xmax = max(r.bits_per_element for r in results)
+    for ax, (label, value) in zip(axes, panels, strict=True):
+        points = [(r, 100 * value(r)) for r in results if value(r) is not None]
+        for r, y in points:
+            windowed = r.window is not None
+            ax.scatter(
+                r.bits_per_element,
+                y,
+                s=46,
+                edgecolors=_color(r),
+                marker="s" if windowed else "o",
+                facecolors="none" if windowed else _color(r),
+                zorder=3,
+            )
+        ax.set_xlabel("bits / element (K and V, all loops)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.set_xlim(3.5, xmax * 1.1 + 1)
+        ax.set_ylim(0, max([1e-3, *(y for _, y in points)]) * 1.15)
+        if not points:
+            ax.text(0.5, 0.5, "no queries in the capture", ha="center", transform=ax.transAxes)
+        _label_points(ax, fig, points)
+    legend = "filled: no window; open squares: +win (first 4 and last 16 tokens kept in bf16)"
+    fig.suptitle(f"{title or 'kvq report'}\n{legend}", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _label_points(ax, fig, points, fontsize: float = 7.5) -> None:
+    """Label every point to its right, moving labels up or down (with a leader line) until
+    they do not overlap an earlier label (greedy, in display pixels)."""
+    px_per_pt = fig.dpi / 72
+    height = (fontsize + 2) * px_per_pt
+    placed: list[tuple[float, float, float]] = []  # (x0, x1, y) of each label box
+    order = sorted(points, key=lambda p: (p[1], p[0].bits_per_element))
+    for r, y in order:
+        x0, y0 = ax.transData.transform((r.bits_per_element, y))
+        lx0 = x0 + 6 * px_per_pt
+        lx1 = lx0 + 0.6 * fontsize * px_per_pt * len(r.name)
+        ly = y0 - height / 3
+        for step in range(40):
+            shift = (step + 1) // 2 * height * (1 if step % 2 else -1)
+            cand = ly + shift
+            if all(
+                not (lx0 < b1 and b0 < lx1 and abs(cand - by) < height) for b0, b1, by in placed
+            ):
+                ly = cand
+                break
+        placed.append((lx0, lx1, ly))
+        dy = (ly - (y0 - height / 3)) / px_per_pt
+        ax.annotate(
+            r.name,
+            (r.bits_per_element, y),
+            textcoords="offset points",
+            xytext=(6, dy - fontsize / 3),
+            fontsize=fontsize,
+            va="bottom",
+            arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5") if abs(dy) > fontsize else None,
+        )

@@ -1,0 +1,113 @@
+"""The KV codecs the attention hook calls: kvq's Torch codec in-process, or the jitted JAX
+codec reached through the DLPack bridge. Both code one [T, H, D] tensor per call with the
+semantics of `encode_loops`: loop 0 packed whole in the base format, loop l >= 1 a residual
+against the reconstructed loop l - 1, the policy's BF16 window kept raw in every loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from kvq_jax.loops import resolve_loop_args
+from kvq_jax.report.policies import Policy
+
+CODECS = ("torch", "jax")
+
+
+@functools.cache
+def _residual_args(policy: Policy) -> tuple[str, int | None]:
+    """(residual format, residual group size) exactly as `encode_loops` resolves them."""
+    from kvq_torch_bridge.registry import get_codec
+
+    residual_format, r_group, _, _ = resolve_loop_args(
+        (2,),
+        policy.base_format,
+        policy.residual_format,
+        policy.group_size,
+        None,
+        None,
+        policy.window,
+        get_codec,
+    )
+    return residual_format, r_group
+
+
+class TorchLoopCoder:
+    """kvq_torch_bridge's codec, on the tensors' own device."""
+
+    name = "torch"
+
+    def base(self, x: torch.Tensor, policy: Policy, kind: str) -> torch.Tensor:
+        from kvq_torch_bridge import pack_kv, unpack_kv
+
+        packed = pack_kv(
+            x, kind=kind, format=policy.base_format, group_size=policy.group_size,
+            window=policy.window,
+        )  # fmt: skip
+        return unpack_kv(packed)
+
+    def residual(
+        self, x: torch.Tensor, previous: torch.Tensor, policy: Policy, kind: str
+    ) -> torch.Tensor:
+        from kvq_torch_bridge import decode_residual, encode_residual
+
+        fmt, group = _residual_args(policy)
+        code = encode_residual(
+            x, previous, kind=kind, format=fmt, group_size=group, window=policy.window
+        )
+        return decode_residual(code, previous)
+
+
+class JaxLoopCoder:
+    """kvq_jax's jitted codec; tensors cross by DLPack (`torch_to_jax` / `jax_to_torch`)."""
+
+    name = "jax"
+
+    @staticmethod
+    def _to_jax(x: torch.Tensor):
+        from kvq_torch_bridge.bridge import CopyWarning, torch_to_jax
+
+        with warnings.catch_warnings():
+            # XLA:CPU needs 64-byte-aligned buffers: an unaligned tensor is copied, which is
+            # expected here (the values are what matter, not the sharing).
+            warnings.simplefilter("ignore", CopyWarning)
+            return torch_to_jax(x.contiguous())
+
+    @staticmethod
+    def _to_torch(a) -> torch.Tensor:
+        from kvq_torch_bridge.bridge import jax_to_torch
+
+        return jax_to_torch(a)
+
+    def base(self, x: torch.Tensor, policy: Policy, kind: str) -> torch.Tensor:
+        import kvq_jax
+
+        packed = kvq_jax.pack_kv(
+            self._to_jax(x), kind=kind, format=policy.base_format,
+            group_size=policy.group_size, window=policy.window,
+        )  # fmt: skip
+        return self._to_torch(kvq_jax.unpack_kv(packed))
+
+    def residual(
+        self, x: torch.Tensor, previous: torch.Tensor, policy: Policy, kind: str
+    ) -> torch.Tensor:
+        import kvq_jax
+
+        fmt, group = _residual_args(policy)
+        prev = self._to_jax(previous)
+        code = kvq_jax.encode_residual(
+            self._to_jax(x), prev, kind=kind, format=fmt, group_size=group, window=policy.window
+        )
+        return self._to_torch(kvq_jax.decode_residual(code, prev))
+
+
+def get_loop_coder(name: str):
+    """ "torch" or "jax" -> a coder object with `base` and `residual`."""
+    if name == "torch":
+        return TorchLoopCoder()
+    if name == "jax":
+        return JaxLoopCoder()
+    raise ValueError(f"codec must be one of {CODECS}, got {name!r}")

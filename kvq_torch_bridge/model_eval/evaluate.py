@@ -1,0 +1,112 @@
+"""Teacher-forced evaluation of KV policies: each policy's K/V are coded inside attention
+(`hooks.KVQuantizer`) over the whole window, per layer and per loop, so the quantized cache
+propagates through every later layer and loop; the logits of the last `predictions`
+positions are compared with the BF16 reference run (the model's own attention, no hook).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from kvq_jax.report.policies import POLICIES, Policy
+from kvq_torch_bridge.model_eval.codecs import get_loop_coder
+from kvq_torch_bridge.model_eval.hooks import KVQuantizer, quantized_attention
+from kvq_torch_bridge.model_eval.loading import LoadedModel
+from kvq_torch_bridge.model_eval.looped import run_logits
+from kvq_torch_bridge.model_eval.metrics import compare_logits
+
+
+@dataclasses.dataclass
+class PolicyResult:
+    policy: Policy
+    metrics: dict
+    seconds: float
+    quantizer: KVQuantizer | None = None  # kept when record=True (one batch)
+    logits: torch.Tensor | None = None  # kept when record=True
+
+
+@dataclasses.dataclass
+class EvalResult:
+    reference_seconds: float
+    passthrough: PolicyResult  # policy "bf16" through the hook: must be bitwise equal
+    results: list[PolicyResult]
+    reference_logits: torch.Tensor
+
+
+def _forward(loaded: LoadedModel, ids, keep, quantizer=None):
+    if quantizer is None:
+        return run_logits(loaded.model, ids, loops=loaded.loops, keep=keep)
+    with quantized_attention(loaded.model, quantizer):
+        return run_logits(
+            loaded.model, ids, loops=loaded.loops, keep=keep, on_loop=quantizer.set_loop
+        )
+
+
+def evaluate_policies(
+    loaded: LoadedModel,
+    windows: np.ndarray,
+    policies: list[Policy],
+    *,
+    predictions: int,
+    codec: str = "torch",
+    record: bool = False,
+    batch: int | None = None,
+    progress=None,
+) -> EvalResult:
+    """Evaluate `policies` on token windows [W, prefix + predictions + 1] (int).
+
+    The model reads the first prefix + predictions tokens of each window; the logits of its
+    last `predictions` positions predict the last `predictions` tokens (teacher forcing).
+    batch: windows per forward (None: all at once). progress(str) gets one line per policy.
+    """
+    ids = torch.as_tensor(np.asarray(windows), dtype=torch.long)
+    if ids.ndim != 2 or ids.shape[1] < predictions + 2:
+        raise ValueError(f"windows must be [W, >= predictions + 2], got {tuple(ids.shape)}")
+    inputs, targets = ids[:, :-1], ids[:, -predictions:]
+    batch = batch or len(ids)
+    coder = get_loop_coder(codec)
+    base_impl = loaded.model.config._attn_implementation
+
+    def run(quantizer_factory):
+        outs, quantizers = [], []
+        for start in range(0, len(ids), batch):
+            qz = quantizer_factory()
+            outs.append(_forward(loaded, inputs[start : start + batch], predictions, qz))
+            quantizers.append(qz)
+        return torch.cat(outs), quantizers
+
+    t0 = time.perf_counter()
+    reference, _ = run(lambda: None)
+    ref_seconds = time.perf_counter() - t0
+    if progress:
+        progress(f"reference (model attention, no hook): {ref_seconds:.1f} s")
+
+    def one(policy: Policy) -> PolicyResult:
+        t = time.perf_counter()
+        logits, quantizers = run(
+            lambda: KVQuantizer(policy, coder, base_implementation=base_impl, record=record)
+        )
+        seconds = time.perf_counter() - t
+        res = PolicyResult(
+            policy,
+            compare_logits(reference, logits, targets),
+            seconds,
+            quantizers[0] if record and len(quantizers) == 1 else None,
+            logits if record else None,
+        )
+        if progress:
+            m = res.metrics
+            progress(
+                f"{policy.name}: KL {m['kl']:.6f} dNLL {m['delta_nll']:+.6f} "
+                f"top1 {m['top1']:.2%} ({seconds:.1f} s)"
+            )
+        return res
+
+    # The BF16 passthrough check always runs, and is always the first row.
+    passthrough = one(POLICIES["bf16"])
+    results = [passthrough] + [one(p) for p in policies if p.quantized]
+    return EvalResult(ref_seconds, passthrough, results, reference)
