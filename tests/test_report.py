@@ -25,7 +25,7 @@ from kvq_jax.report.policies import POLICIES, parse_policies
 CHECKED = "int4-g32+win,nvfp4"
 #: The fixture has the embedded capture's shape (SmolLM2: 3 KV heads, 9 query heads, dim 64),
 #: so the programs compiled for it serve the default run too (compilation dominates).
-W, L, N, T, H, D, HQ = 4, 4, 3, 64, 3, 64, 9
+W, L, N, T, H, D, HQ = 2, 4, 3, 128, 3, 64, 9
 
 
 def _fixture_capture() -> cap.Capture:
