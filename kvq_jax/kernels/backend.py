@@ -5,14 +5,22 @@
   >= 8.0 (Ampere, Hopper SM90, Blackwell consumer SM120) and a configuration the kernel takes.
 - "pallas_interpret": the same kernel body run by Pallas' interpreter through XLA, on any
   device (CPU included). Slow; for tests and debugging.
-- "auto": "pallas" where it is supported (device and configuration), else "xla".
+- "auto": "pallas" where it is supported (device and configuration), else "xla". Setting the
+  environment variable KVQ_AUTO_BACKEND=xla makes "auto" take the XLA path everywhere (to rule
+  a kernel out in a serving stack without changing code); it is read when a function is
+  traced, so set it before the first call.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+
+#: Environment variable: "xla" makes backend="auto" resolve to "xla" on every device.
+AUTO_ENV = "KVQ_AUTO_BACKEND"
 
 #: Lowest CUDA compute capability the Triton kernels target.
 MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -49,6 +57,11 @@ def resolve_backend(backend: str, config_support: str | None = None, *, device=N
     if backend == "xla":
         return "xla"
     if backend == "auto":
+        override = os.environ.get(AUTO_ENV, "").strip().lower()
+        if override not in ("", "auto", "xla"):
+            raise ValueError(f"{AUTO_ENV} must be 'xla' or 'auto' (or unset), got {override!r}")
+        if override == "xla":
+            return "xla"
         if config_support is None and pallas_device_support(device) is None:
             return "pallas"
         return "xla"
