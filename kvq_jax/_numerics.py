@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from kvq_jax.spec import E2M1_MIDPOINTS, F32_MIN_NORMAL
+from kvq_jax.spec import E2M1_MIDPOINTS
+
+_F32_SIGN = np.uint32(0x80000000)
+_F32_EXPONENT = np.uint32(0x7F800000)
 
 
 def flush_subnormal(x: jnp.ndarray) -> jnp.ndarray:
-    """Replace float32 subnormals by a zero of the same sign (FTZ/DAZ, on every device)."""
-    return jnp.where(jnp.abs(x) < F32_MIN_NORMAL, jnp.copysign(jnp.float32(0.0), x), x)
+    """Replace float32 subnormals by a zero of the same sign (FTZ/DAZ, on every device).
+
+    Integer operations on the bits (exponent field 0 -> keep only the sign): no float compare
+    that a DAZ device could see differently, vectorizes on XLA:CPU (a where/copysign form
+    made a residual step 1.6x slower there), and lowers in Pallas Triton kernels as well.
+    """
+    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+    bits = jnp.where((bits & _F32_EXPONENT) == 0, bits & _F32_SIGN, bits)
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 @jax.custom_batching.custom_vmap

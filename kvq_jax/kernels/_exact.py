@@ -26,7 +26,6 @@ from jax.experimental.pallas import triton as pltriton
 from kvq_jax import _numerics
 
 _SIGN = np.uint32(0x80000000)
-_EXPONENT = np.uint32(0x7F800000)
 _MAGIC = 1.5 * 2**23  # adding it rounds |x| < 2**22 to an integer
 
 
@@ -63,11 +62,8 @@ def add(a, b, *, interpret: bool):
     return _ptx_binary("add", a, b)
 
 
-def flush_subnormal(x):
-    """float32 subnormals -> zero of the same sign (bit arithmetic: lowers everywhere)."""
-    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
-    bits = jnp.where((bits & _EXPONENT) == 0, bits & _SIGN, bits)
-    return lax.bitcast_convert_type(bits, jnp.float32)
+#: float32 subnormals -> zero of the same sign (bit arithmetic: lowers everywhere).
+flush_subnormal = _numerics.flush_subnormal
 
 
 def sign_bit(x):
