@@ -96,7 +96,7 @@ def run(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            return _error("--plot needs matplotlib: pip install 'kvq[plot]'")
+            return _error("--plot needs matplotlib: pip install -e '.[plot]'")
     for option, out in (("--json", args.json), ("--plot", args.plot)):
         if out is not None and not pathlib.Path(out).resolve().parent.is_dir():
             return _error(f"{option}: the folder of {out} does not exist")

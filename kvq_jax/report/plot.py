@@ -23,7 +23,7 @@ def write_plot(results: list[PolicyResult], path, title: str = "") -> None:
     try:
         import matplotlib
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("--plot needs matplotlib: pip install 'kvq[plot]'") from e
+        raise ImportError("--plot needs matplotlib: pip install -e '.[plot]'") from e
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
