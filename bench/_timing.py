@@ -143,6 +143,25 @@ def write_json(path: str, header: str, rows: Sequence[dict], **extra) -> None:
         f.write("\n")
 
 
+#: Peak DRAM bandwidth (bytes/s) by a substring of jax's device_kind (checked in order; the
+#: H100 entries are the SXM part only: the PCIe card has 2.0 TB/s).
+PEAK_BANDWIDTH = (
+    ("H200", 4.8e12),
+    ("H100 80GB HBM3", 3.35e12),  # H100 SXM
+    ("H100 SXM", 3.35e12),
+    ("RTX 5090", 1.79e12),
+)
+
+
+def peak_bandwidth(device=None) -> float | None:
+    """Peak memory bandwidth in bytes/s of a known GPU, else None."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "gpu":
+        return None
+    kind = getattr(device, "device_kind", "")
+    return next((bw for name, bw in PEAK_BANDWIDTH if name in kind), None)
+
+
 def bench_parser(doc: str) -> argparse.ArgumentParser:
     """The options every kvq benchmark takes: --quick, --repeats N, --json PATH."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])

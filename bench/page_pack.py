@@ -36,13 +36,6 @@ import kvq_jax
 from kvq_jax.kernels.backend import pallas_device_support
 from kvq_jax.kernels.page_pack import api, arg_specs, pack_pages
 
-#: Peak DRAM bandwidth (bytes/s) by a substring of jax's device_kind (checked in order).
-PEAK_BANDWIDTH = (
-    ("H200", 4.8e12),
-    ("H100 80GB HBM3", 3.35e12),  # H100 SXM
-    ("H100 SXM", 3.35e12),
-    ("RTX 5090", 1.79e12),
-)
 INTERPRET_PAGES = 8
 COLUMNS = (
     ("case", "case", None),
@@ -57,15 +50,6 @@ COLUMNS = (
 )
 
 
-def peak_bandwidth(device=None) -> float | None:
-    """Peak memory bandwidth in bytes/s of a known GPU, else None."""
-    device = jax.devices()[0] if device is None else device
-    if device.platform != "gpu":
-        return None
-    kind = getattr(device, "device_kind", "")
-    return next((bw for name, bw in PEAK_BANDWIDTH if name in kind), None)
-
-
 def _case(spec: arg_specs.PagePackSpec) -> str:
     axis = {"key": "tok", "value": "ch"}[spec.kind] if spec.format != "fp8_e4m3" else "row"
     return f"{spec.format} {spec.kind[0].upper()} ({axis})"
@@ -77,7 +61,7 @@ def bench(args, warmup: int, repeats: int) -> list[dict]:
         backends.append("pallas")
     if args.interpret:
         backends.append("pallas_interpret")
-    peak = peak_bandwidth()
+    peak = _timing.peak_bandwidth()
     rows = []
     key = jax.random.key(0)
     for spec in arg_specs.BENCH_SPECS:
@@ -132,7 +116,7 @@ def main(argv=None) -> int:
     warmup, repeats = _timing.repeat_counts(args, quick=(1, 5), full=(2, 20))
     header = _timing.device_header()
     print(header)
-    peak = peak_bandwidth()
+    peak = _timing.peak_bandwidth()
     print(
         f"kvq {kvq_jax.__version__}; pack_pages, {args.tokens} tokens per call, H=16 D=128 "
         f"bf16; median of <= {repeats} runs (3 s budget) after {warmup} warm-up; "

@@ -41,8 +41,6 @@ import _timing
 from kvq_jax.kernels import backend as kernel_backend
 from kvq_jax.kernels.page_reconstruct import arg_specs, config_support, reconstruct_pages
 
-#: Peak HBM bandwidth (bytes/s) by a substring of jax's device_kind.
-PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "RTX 5090": 1.79e12}
 COLUMNS = (
     ("format", "format", None),
     ("page", "page", "d"),
@@ -54,14 +52,6 @@ COLUMNS = (
     ("gbps", "GB/s", ".2f"),
     ("peak_pct", "% peak", ".1f"),
 )
-
-
-def peak_bandwidth() -> float | None:
-    kind = getattr(jax.devices()[0], "device_kind", "")
-    for name, peak in PEAK_BANDWIDTH.items():
-        if name in kind:
-            return peak
-    return None
 
 
 def random_leaf(key, leaf):
@@ -101,7 +91,7 @@ def main(argv=None) -> int:
     backends = (
         args.backends.split(",") if args.backends else (["xla", "pallas"] if on_gpu else ["xla"])
     )
-    peak = peak_bandwidth() if on_gpu else None
+    peak = _timing.peak_bandwidth() if on_gpu else None
     header = _timing.device_header()
     print(header)
     print(f"B = {batch} sequences x {context} tokens, H 16, D 128, bf16; backends {backends}")

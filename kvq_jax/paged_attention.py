@@ -73,6 +73,21 @@ def dense_decode_attention(q, k, v, seq_lens) -> jnp.ndarray:
     return out.reshape(b, hq, d)
 
 
+def _check_batch(config, seq_lens, seq_ids) -> int:
+    """seq_lens int32 [B] and seq_ids (None: slots 0..B-1, B <= max_seqs; else int32 [B]);
+    returns B."""
+    _check_int32(seq_lens, "seq_lens", 1)
+    b = np.shape(seq_lens)[0]
+    if seq_ids is None:
+        if b > config.max_seqs:
+            raise ValueError(f"B = {b} exceeds max_seqs = {config.max_seqs}; pass seq_ids")
+        return b
+    _check_int32(seq_ids, "seq_ids", 1)
+    if np.shape(seq_ids)[0] != b:
+        raise ValueError(f"seq_ids has {np.shape(seq_ids)[0]} entries but seq_lens has {b}")
+    return b
+
+
 def gather_batch(
     cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None, backend="auto"
 ):
@@ -82,15 +97,9 @@ def gather_batch(
     config = _check_cache(cache)
     loop = _check_loop(config, loop)
     max_pages = _check_block_tables(config, block_tables)
-    _check_int32(seq_lens, "seq_lens", 1)
-    b = np.shape(seq_lens)[0]
+    b = _check_batch(config, seq_lens, seq_ids)
     if seq_ids is None:
-        if b > config.max_seqs:
-            raise ValueError(f"B = {b} exceeds max_seqs = {config.max_seqs}; pass seq_ids")
         seq_ids = jnp.arange(b, dtype=jnp.int32)
-    _check_int32(seq_ids, "seq_ids", 1)
-    if np.shape(seq_ids)[0] != b:
-        raise ValueError(f"seq_ids has {np.shape(seq_ids)[0]} entries but seq_lens has {b}")
     seq_ids, tables = jnp.asarray(seq_ids), jnp.asarray(block_tables)
 
     def one(seq, length):
@@ -117,15 +126,7 @@ def check_decode_args(q, cache: PagedKVCache, block_tables, seq_lens, *, loop: i
         raise ValueError(f"q has B = {np.shape(q)[0]} but seq_lens has {np.shape(seq_lens)[0]}")
     _check_loop(config, loop)
     _check_block_tables(config, block_tables)
-    _check_int32(seq_lens, "seq_lens", 1)
-    b = np.shape(seq_lens)[0]
-    if seq_ids is None:
-        if b > config.max_seqs:
-            raise ValueError(f"B = {b} exceeds max_seqs = {config.max_seqs}; pass seq_ids")
-    else:
-        _check_int32(seq_ids, "seq_ids", 1)
-        if np.shape(seq_ids)[0] != b:
-            raise ValueError(f"seq_ids has {np.shape(seq_ids)[0]} entries but seq_lens has {b}")
+    _check_batch(config, seq_lens, seq_ids)
     return config
 
 

@@ -45,6 +45,7 @@ from jax import lax
 
 from kvq_jax._numerics import e2m1_decode
 from kvq_jax.kernels import _exact
+from kvq_jax.spec import NVFP4_GROUP_SIZE
 
 __all__ = [
     "FIELDS",
@@ -67,7 +68,6 @@ FIELDS = {
     "nvfp4": ("codes", "block_scale", "global_scale"),
     "fp8_e4m3": ("codes", "scale"),
 }
-_NVFP4_GROUP = 16
 
 
 def load_tile(fmt: str, refs, lead: tuple, page, head) -> dict:
@@ -152,7 +152,7 @@ def nvfp4_tile(codes, block_scale, global_scale, *, axis: str, interpret: bool):
     g = _exact.flush_subnormal(jnp.asarray(global_scale, jnp.float32))
     g = jnp.broadcast_to(g, sf.shape)
     step = _exact.flush_subnormal(_exact.divide(sf, g, interpret=interpret))
-    step = expand_groups(step, axis, _NVFP4_GROUP)
+    step = expand_groups(step, axis, NVFP4_GROUP_SIZE)
     values = e2m1_decode(unpack_nibbles_tile(codes))
     return _exact.flush_subnormal(_exact.multiply(values, step, interpret=interpret))
 
@@ -179,7 +179,7 @@ def decode_tile(fmt: str, axis: str, group_size: int, arrays: dict, *, interpret
             interpret=interpret,
         )
     if fmt == "nvfp4":
-        if group_size != _NVFP4_GROUP:
+        if group_size != NVFP4_GROUP_SIZE:
             raise ValueError(f"nvfp4 group_size must be 16, got {group_size}")
         return nvfp4_tile(
             arrays["codes"],

@@ -54,7 +54,7 @@ class Capture:
         return self.k.shape[2]
 
 
-def _check(name: str, x: np.ndarray, rank6: bool) -> np.ndarray:
+def _check(name: str, x: np.ndarray) -> np.ndarray:
     if x.ndim not in (5, 6):
         raise ValueError(
             f"{name} must be [loops, layers, tokens, heads, dim] (or with a leading windows "
@@ -68,13 +68,13 @@ def _check(name: str, x: np.ndarray, rank6: bool) -> np.ndarray:
 def make_capture(k, v, q=None, meta: dict | None = None) -> Capture:
     """Validate arrays (rank 5 or 6) into a `Capture`; raises ValueError/TypeError naming them."""
     k, v = np.asarray(k), np.asarray(v)
-    k, v = _check("k", k, True), _check("v", v, True)
+    k, v = _check("k", k), _check("v", v)
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must match")
     if min(k.shape) < 1:
         raise ValueError(f"k, v must have every axis >= 1, got shape {k.shape}")
     if q is not None:
-        q = _check("q", np.asarray(q), True)
+        q = _check("q", np.asarray(q))
         if q.shape[:4] != k.shape[:4] or q.shape[5] != k.shape[5] or q.dtype != k.dtype:
             raise ValueError(
                 f"q {q.shape} {q.dtype} must match k {k.shape} {k.dtype} except in heads"

@@ -41,11 +41,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kvq_jax import _numerics
 from kvq_jax.kernels import _exact
 from kvq_jax.packed import PackedKV
 from kvq_jax.spec import (
     E2M1_MAX,
-    E2M1_MIDPOINTS,
     E4M3_MAX,
     F32_MAX,
     INT4_LEVELS,
@@ -68,11 +68,6 @@ NUM_STAGES = 1
 
 
 # -- element-wise pieces ------------------------------------------------------------------
-
-
-def _widen(x):
-    """Input dtype -> float32 (exact), subnormal inputs flushed (docs/FORMAT.md section 0)."""
-    return _exact.flush_subnormal(x.astype(jnp.float32))
 
 
 def _bits(x):
@@ -107,16 +102,6 @@ def _e4m3_encode(a, *, interpret: bool):
     return jnp.where(nan, _E4M3_NAN, code), jnp.where(nan, a, value)
 
 
-def _e2m1_code(y, negative):
-    """y in [-6, 6] and its sign -> int32 4-bit E2M1 code (nearest value, ties to even)."""
-    magnitude = jnp.abs(y)
-    code = jnp.zeros(y.shape, jnp.int32)
-    for midpoint, tie_rounds_up in E2M1_MIDPOINTS:
-        above = magnitude >= midpoint if tie_rounds_up else magnitude > midpoint
-        code = code + above.astype(jnp.int32)
-    return code | (negative.astype(jnp.int32) << 3)
-
-
 def _pack_nibbles(codes):
     """int32 codes [R, D] (0..15, D even) -> uint8 [R, D / 2]; channel 2j in bits 0-3."""
     r, d = codes.shape
@@ -142,7 +127,7 @@ def _grouped(x, axis: str, group_size: int):
 
 
 def _int4_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, interpret):
-    x = _widen(x_ref[...])  # [T, D]
+    x = _numerics.widen(x_ref[...])  # [T, D]
     xg, member = _grouped(x, axis, group_size)
     nonfinite = jnp.max(_is_nonfinite(xg).astype(jnp.int32), axis=member, keepdims=True)
     finite = nonfinite == 0
@@ -172,7 +157,7 @@ def _int4_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, 
 
 
 def _fp8_kernel(x_ref, codes_ref, scale_ref, *, interpret):
-    x = _widen(x_ref[...])  # [T, D]
+    x = _numerics.widen(x_ref[...])  # [T, D]
     nonfinite = jnp.max(_is_nonfinite(x).astype(jnp.int32), axis=1, keepdims=True)
     amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
     s = _exact.flush_subnormal(
@@ -196,7 +181,7 @@ def _nvfp4_kernel(x_ref, codes_ref, block_ref, global_ref, *, axis, num_heads, i
     """One page: pass 1 over the heads for amax / finiteness, pass 2 packs each head."""
 
     def head(h):
-        return _widen(x_ref[:, h, :])  # [T, D]
+        return _numerics.widen(x_ref[:, h, :])  # [T, D]
 
     def stats(h, carry):
         amax, nonfinite = carry
@@ -247,7 +232,7 @@ def _nvfp4_kernel(x_ref, codes_ref, block_ref, global_ref, *, axis, num_heads, i
         )
         y = jnp.where(fallback, y_direct, y)
         y = jnp.minimum(jnp.maximum(y, -E2M1_MAX), E2M1_MAX)
-        codes = _e2m1_code(y, _exact.sign_bit(xg))
+        codes = _numerics.e2m1_encode(y, _exact.sign_bit(xg)).astype(jnp.int32)
         codes = jnp.where(finite, codes, np.int32(0))
         codes_ref[:, h, :] = _pack_nibbles(codes.reshape(x.shape))
         s8 = jnp.where(finite, s8, _E4M3_NAN)
