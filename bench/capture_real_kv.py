@@ -29,8 +29,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from kvq_jax.core.policies import POLICIES
 from kvq_jax.report.capture import EMBEDDED_PATH, make_capture, save_capture
-from kvq_jax.report.policies import POLICIES
 from kvq_torch_bridge.model_eval.codecs import get_loop_coder
 from kvq_torch_bridge.model_eval.hooks import KVQuantizer, quantized_attention
 from kvq_torch_bridge.model_eval.loading import load_model

@@ -6,7 +6,7 @@ Ouro-like pages (`kvq_jax.kernels.page_pack.arg_specs.BENCH_SPECS`): page size 1
 H = 16 KV heads, D = 128, bf16; formats INT4 K (token groups, gcd(64, page)), INT4 V
 (channel groups of 64), NVFP4 K / V and FP8 E4M3. One call packs `--tokens` tokens of one
 of K / V (default 32768 = 8 sequences x 4096, the prefill of the paged benchmark; P = tokens /
-page pages), through `pack_pages(backend=...)`:
+page pages), through `pack_paged(backend=...)`:
 
   xla               every device (on a CPU it is the only real number)
   pallas            the Triton kernel, on a CUDA GPU (compute capability >= 8.0)
@@ -34,7 +34,7 @@ import _timing
 
 import kvq_jax
 from kvq_jax.kernels.backend import pallas_device_support
-from kvq_jax.kernels.page_pack import api, arg_specs, pack_pages
+from kvq_jax.kernels.page_pack import api, arg_specs, pack_paged
 
 INTERPRET_PAGES = 8
 COLUMNS = (
@@ -78,7 +78,7 @@ def bench(args, warmup: int, repeats: int) -> list[dict]:
             read, written = api.storage_bytes(pages.shape, pages.dtype, **spec.kwargs)
 
             def run(x, backend=backend, spec=spec):
-                return pack_pages(x, **spec.kwargs, backend=backend)
+                return pack_paged(x, **spec.kwargs, backend=backend)
 
             t = _timing.median_time(run, pages, warmup=warmup, repeats=repeats, budget_s=3.0)
             if backend == "xla":
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     print(header)
     peak = _timing.peak_bandwidth()
     print(
-        f"kvq {kvq_jax.__version__}; pack_pages, {args.tokens} tokens per call, H=16 D=128 "
+        f"kvq {kvq_jax.__version__}; pack_paged, {args.tokens} tokens per call, H=16 D=128 "
         f"bf16; median of <= {repeats} runs (3 s budget) after {warmup} warm-up; "
         + (f"peak {peak / 1e12:.2f} TB/s" if peak else "peak bandwidth unknown: GB/s only")
     )

@@ -9,7 +9,7 @@ Ouro-1.4B shapes (arg_specs.BENCH_SPECS): H = 16 KV heads, D = 128, bf16, page s
 channels G 64), nvfp4 (G 16), mixed (K int4 base + nvfp4 residuals, V nvfp4 base + int4
 residuals). Reconstructed: loop 0 (base plane only) and loop 3 (base + 3 residual planes),
 K and V of every page of the pool in a random order (page ids int32 [P], a permutation), in
-one jitted call per backend: `reconstruct_pages(..., backend=b)` for K and V.
+one jitted call per backend: `decode_pages(..., backend=b)` for K and V.
 
 The packed planes hold random bytes of the right types (random codes, finite FP16 / E4M3
 metadata, positive global scales): bandwidth does not depend on the values, and building
@@ -39,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _timing
 
 from kvq_jax.kernels import backend as kernel_backend
-from kvq_jax.kernels.page_reconstruct import arg_specs, config_support, reconstruct_pages
+from kvq_jax.kernels.page_reconstruct import arg_specs, config_support, decode_pages
 
 COLUMNS = (
     ("format", "format", None),
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
             @jax.jit
             def both(cache, pages, backend=backend, loop=spec.loop):
                 return tuple(
-                    reconstruct_pages(cache, kind, pages, loop=loop, backend=backend)
+                    decode_pages(cache, kind, pages, loop=loop, backend=backend)
                     for kind in arg_specs.KINDS
                 )
 

@@ -5,40 +5,20 @@ axis "tokens":   a group is G consecutive token rows of one (head, channel);
 axis "channels": a group is G consecutive channels of one (token, head);
                  metadata shape [T, H, ceil(D/G)]; grouped view [T, H, nG, G].
 
-The last group may be partial. `split` pads it with a caller-chosen fill value (an identity of
-the reduction, so padding never enters a statistic) and `merge` crops the padding away.
+The last group may be partial (`kvq_jax.core.groups` has the geometry). `split` pads it with a
+caller-chosen fill value (an identity of the reduction, so padding never enters a statistic)
+and `merge` crops the padding away.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 
-from kvq_jax.spec import metadata_shape, num_groups
+from kvq_jax.core.groups import GroupGeometry
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupLayout:
-    """Static description of the groups of a [T, H, D] tensor."""
-
-    shape: tuple[int, int, int]
-    axis: str
-    group_size: int
-
-    @property
-    def metadata_shape(self) -> tuple[int, ...]:
-        return metadata_shape(self.shape, self.axis, self.group_size)
-
-    @property
-    def padding(self) -> int:
-        length = self.shape[0] if self.axis == "tokens" else self.shape[2]
-        return num_groups(length, self.group_size) * self.group_size - length
-
-    @property
-    def member_axis(self) -> int:
-        """Axis of the grouped view that runs over the members of one group."""
-        return 1 if self.axis == "tokens" else 3
+class GroupLayout(GroupGeometry):
+    """`GroupGeometry` with the JAX operations: pad-and-reshape into groups, crop back."""
 
     def split(self, x: jnp.ndarray, fill) -> jnp.ndarray:
         """[T, H, D] -> grouped view; the missing members of a partial group hold `fill`."""
@@ -48,15 +28,15 @@ class GroupLayout:
         if self.axis == "tokens":
             if pad:
                 x = jnp.pad(x, [(0, pad), (0, 0), (0, 0)], constant_values=fill)
-            return x.reshape(num_groups(t, g), g, h, d)
+            return x.reshape(self.num_groups, g, h, d)
         if pad:
             x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)], constant_values=fill)
-        return x.reshape(t, h, num_groups(d, g), g)
+        return x.reshape(t, h, self.num_groups, g)
 
     def merge(self, xg: jnp.ndarray) -> jnp.ndarray:
         """Grouped view -> [T, H, D], dropping the padding of a partial last group."""
         t, h, d = self.shape
-        n = num_groups(t if self.axis == "tokens" else d, self.group_size) * self.group_size
+        n = self.num_groups * self.group_size
         if self.axis == "tokens":
             return xg.reshape(n, h, d)[:t]
         return xg.reshape(t, h, n)[..., :d]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvq_jax.spec import E2M1_MIDPOINTS
+from kvq_jax.core.constants import E2M1_MIDPOINTS
 
 _F32_SIGN = np.uint32(0x80000000)
 _F32_EXPONENT = np.uint32(0x7F800000)

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax.codec import check_values
-from kvq_jax.layouts import check_float_dtype
-from kvq_jax.packed import PackedKV
+from kvq_jax.core.checks import check_values
+from kvq_jax.core.layouts import check_float_dtype
+from kvq_jax.core.window import Window, check_window, split_rows
+from kvq_jax.packed import PackedKV, WindowedKV
 from kvq_jax.registry import get_codec
-from kvq_jax.window import Window, WindowedKV, check_window, join_rows, split_rows
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis", "window"))
@@ -68,5 +68,5 @@ def unpack_kv(packed: PackedKV | WindowedKV, dtype=None) -> jnp.ndarray:
     dtype = np.dtype(packed.dtype if dtype is None else check_float_dtype(dtype, "dtype"))
     if isinstance(packed, WindowedKV):
         middle = unpack_kv(packed.middle, dtype)
-        return join_rows(packed.head.astype(dtype), middle, packed.tail.astype(dtype))
+        return jnp.concatenate([packed.head.astype(dtype), middle, packed.tail.astype(dtype)])
     return get_codec(packed.format).unpack(packed, dtype)

@@ -1,4 +1,4 @@
-"""The codec interface every storage format implements, and the shared argument checks.
+"""The JAX codec interface every storage format implements.
 
 A codec turns a [T, H, D] bf16/fp16/fp32 tensor into a `PackedKV` and back. Its `pack` and
 `unpack` are the *reference* (XLA) paths: `unpack` materializes the dequantized tensor, which a
@@ -13,22 +13,12 @@ import abc
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax.layouts import FormatLayout, check_float_dtype
+from kvq_jax.core.layouts import FormatLayout
 from kvq_jax.packed import PackedKV
 
 
-def check_values(values, name: str = "values") -> tuple[tuple[int, int, int], np.dtype]:
-    """Check a [T, H, D] float tensor; return its (shape, dtype)."""
-    shape = tuple(np.shape(values))
-    if len(shape) != 3:
-        raise ValueError(f"{name} must have rank 3 [T, H, D], got shape {shape}")
-    if shape[1] < 1 or shape[2] < 1:
-        raise ValueError(f"{name} must have H >= 1 and D >= 1, got shape {shape}")
-    return shape, check_float_dtype(values.dtype, f"{name}.dtype")
-
-
 class Codec(FormatLayout, abc.ABC):
-    """A storage format implemented in JAX: a `kvq_jax.layouts.FormatLayout` (names, group-size
+    """A storage format implemented in JAX: a `kvq_jax.core.layouts.FormatLayout` (names, group-size
     rules, array shapes) plus `pack`/`unpack`. Subclass a layout and this class, implement the
     two data paths, and add an instance with `kvq_jax.register_codec`.
     """

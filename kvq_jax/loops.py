@@ -15,21 +15,14 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvq_jax.api import pack_kv, unpack_kv
-from kvq_jax.containers import LoopCodeMixin
-from kvq_jax.layouts import check_float_dtype
-from kvq_jax.packed import PackedKV
+from kvq_jax.core import checks
+from kvq_jax.core.containers import LoopCodeMixin
+from kvq_jax.core.window import Window
+from kvq_jax.packed import PackedKV, WindowedKV
 from kvq_jax.registry import get_codec
-from kvq_jax.residual import (
-    KVResidual,
-    check_positions_dtype,
-    decode_residual,
-    encode_residual,
-    gather_rows,
-)
-from kvq_jax.window import Window, WindowedKV, check_window
+from kvq_jax.residual import KVResidual, decode_residual, encode_residual, gather_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,63 +34,6 @@ class LoopCode(LoopCodeMixin):
 
 
 jax.tree_util.register_dataclass(LoopCode, data_fields=["base", "residuals"], meta_fields=[])
-
-
-def check_loop_stack(shape) -> None:
-    """Raise ValueError unless `shape` is [L, T, H, D] with L >= 1 (shared by both stacks)."""
-    if len(shape) != 4:
-        raise ValueError(f"loops must have rank 4 [L, T, H, D], got shape {tuple(shape)}")
-    if shape[0] < 1:
-        raise ValueError("loops must hold at least one loop (L >= 1)")
-
-
-def _resolve_positions(positions, num_residuals: int) -> tuple:
-    """One entry (None or int32 [N]) per later loop."""
-    if positions is None:
-        return (None,) * num_residuals
-    if not isinstance(positions, Sequence) or isinstance(positions, str):
-        raise TypeError(
-            "positions must be None or a sequence with one entry (None or int32[N]) "
-            f"per later loop, got {type(positions).__name__}"
-        )
-    if len(positions) != num_residuals:
-        raise ValueError(
-            f"positions must have one entry per later loop ({num_residuals}), got {len(positions)}"
-        )
-    return tuple(positions)
-
-
-def resolve_loop_args(
-    shape,
-    base_format,
-    residual_format,
-    group_size,
-    residual_group_size,
-    positions,
-    window,
-    get_codec,
-):
-    """Static arguments of `encode_loops` for a stack of `shape`, checked and defaulted;
-    `get_codec` is the calling stack's registry lookup (validates the format names).
-    Returns (residual_format, residual_group_size, positions per later loop, window)."""
-    residual_format = base_format if residual_format is None else residual_format
-    get_codec(base_format)
-    get_codec(residual_format)
-    r_group = _residual_group_size(base_format, residual_format, group_size, residual_group_size)
-    return (
-        residual_format,
-        r_group,
-        _resolve_positions(positions, shape[0] - 1),
-        check_window(window),
-    )
-
-
-def _residual_group_size(base_format, residual_format, group_size, residual_group_size):
-    if residual_group_size is not None:
-        return residual_group_size
-    if residual_format == base_format:
-        return group_size
-    return None  # a different format: its own default
 
 
 def encode_loops(
@@ -126,7 +62,7 @@ def encode_loops(
     """
     if positions is not None and isinstance(positions, Sequence) and not isinstance(positions, str):
         for i, p in enumerate(positions):
-            check_positions_dtype(p, f"positions[{i}]")
+            checks.check_positions_dtype(p, f"positions[{i}]")
     return _encode_loops(
         loops,
         kind=kind,
@@ -166,9 +102,8 @@ def _encode_loops(
 ) -> LoopCode:
     """Jitted body of `encode_loops` (position dtypes already checked)."""
     loops = jnp.asarray(loops)
-    check_loop_stack(loops.shape)
-    check_float_dtype(loops.dtype, "loops.dtype")
-    residual_format, r_group, positions, window = resolve_loop_args(
+    checks.check_loop_stack(loops)
+    residual_format, r_group, positions, window = checks.resolve_loop_args(
         loops.shape,
         base_format,
         residual_format,
@@ -235,10 +170,7 @@ def decode_loop(code: LoopCode, *, loop: int) -> jnp.ndarray:
     """Loop `loop` (0-based) reconstructed, [T, H, D], carrying one running reconstruction
     through the residuals instead of materializing every loop."""
     _check_code(code)
-    if isinstance(loop, bool) or not isinstance(loop, int | np.integer):
-        raise TypeError(f"loop must be an int, got {type(loop).__name__}")
-    if not 0 <= loop < code.num_loops:
-        raise ValueError(f"loop must be in [0, {code.num_loops}), got {loop}")
+    loop = checks.check_loop_index(loop, code.num_loops)
     recon = unpack_kv(code.base)
     for residual in code.residuals[:loop]:
         recon = decode_residual(residual, recon)

@@ -1,4 +1,5 @@
-"""`PackedKV`: one quantized [T, H, D] tensor as a pytree (arrays) with static metadata."""
+"""JAX containers: `PackedKV` (one quantized [T, H, D] tensor) and `WindowedKV` (raw window rows
+around a packed middle), pytrees of arrays with static metadata."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvq_jax.containers import ARRAY_FIELDS, META_FIELDS, PackedKVMixin
+from kvq_jax.core.containers import ARRAY_FIELDS, META_FIELDS, PackedKVMixin, WindowedKVMixin
+from kvq_jax.core.window import Window
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,4 +42,24 @@ class PackedKV(PackedKVMixin):
 
 jax.tree_util.register_dataclass(
     PackedKV, data_fields=list(ARRAY_FIELDS), meta_fields=list(META_FIELDS)
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WindowedKV(WindowedKVMixin):
+    """A [T, H, D] tensor whose window rows are stored raw and whose middle rows are packed.
+
+    head: [h, H, D] and tail: [t, H, D] in the input dtype (h = min(sink, T),
+    t = min(recent, T - h)); middle: PackedKV of the [T - h - t, H, D] middle rows.
+    """
+
+    head: Any
+    tail: Any
+    middle: PackedKV
+    window: Window
+    shape: tuple[int, int, int]
+
+
+jax.tree_util.register_dataclass(
+    WindowedKV, data_fields=["head", "tail", "middle"], meta_fields=["window", "shape"]
 )

@@ -1,49 +1,28 @@
-"""The format registry: `CODECS[name]` is the `Codec` for that storage format."""
+"""The JAX format registry: `CODECS[name]` is the JAX `Codec` for that storage format.
+
+One `kvq_jax.core.registry.Registry` per stack (`kvq_torch_bridge.registry` holds the Torch
+one). The jitted entry points take the format *name* as a static argument and look the codec
+up while tracing, so replacing or removing a codec drops every compiled program (a rare,
+administrative operation).
+"""
 
 from __future__ import annotations
 
 import jax
 
 from kvq_jax.codec import Codec
+from kvq_jax.core.registry import Registry
 from kvq_jax.formats import fp8_e4m3, int4, nvfp4
 
-CODECS: dict[str, Codec] = {}
+__all__ = ["CODECS", "get_codec", "register_codec", "unregister_codec"]
+
+CODECS = Registry(Codec, "kvq_jax", on_change=jax.clear_caches)
 
 
-def register_codec(codec: Codec, *, replace: bool = False) -> Codec:
-    """Add `codec` under `codec.name`. Refuses to shadow an existing name unless `replace`."""
-    if not isinstance(codec, Codec):
-        raise TypeError(f"codec must be a kvq_jax.Codec, got {type(codec).__name__}")
-    if codec.name in CODECS and not replace:
-        raise ValueError(f"format {codec.name!r} is already registered (pass replace=True)")
-    replacing = codec.name in CODECS
-    CODECS[codec.name] = codec
-    if replacing:
-        _forget_compiled()
-    return codec
-
-
-def unregister_codec(format: str) -> Codec:
-    """Remove and return the codec registered as `format`."""
-    codec = get_codec(format)
-    del CODECS[format]
-    _forget_compiled()
-    return codec
-
-
-def _forget_compiled() -> None:
-    # The jitted entry points take the format *name* as a static argument and look the codec
-    # up while tracing: a replaced or removed codec must not keep running from a compiled
-    # cache, so every cache is dropped (a rare, administrative operation).
-    jax.clear_caches()
-
-
-def get_codec(format: str) -> Codec:
-    """The codec registered as `format`, or a ValueError listing the known formats."""
-    try:
-        return CODECS[format]
-    except (KeyError, TypeError):
-        raise ValueError(f"format must be one of {sorted(CODECS)}, got {format!r}") from None
+#: The registry's methods under their public names (see `Registry` for the contracts).
+register_codec = CODECS.register
+unregister_codec = CODECS.unregister
+get_codec = CODECS.get_codec
 
 
 for _codec in (int4.CODEC, nvfp4.CODEC, fp8_e4m3.CODEC):

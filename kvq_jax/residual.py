@@ -22,10 +22,10 @@ import numpy as np
 
 from kvq_jax._numerics import add_in_dtype, subtract_in_dtype
 from kvq_jax.api import pack_kv, unpack_kv
-from kvq_jax.codec import check_values
-from kvq_jax.containers import KVResidualMixin
+from kvq_jax.core import checks, rows
+from kvq_jax.core.containers import KVResidualMixin
+from kvq_jax.core.window import Window, check_window
 from kvq_jax.packed import PackedKV
-from kvq_jax.window import Window, check_window, split_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,81 +58,20 @@ jax.tree_util.register_dataclass(
 )
 
 
-def check_positions_dtype(positions, name: str = "positions") -> None:
-    """Raise TypeError unless `positions` is None or an int32 array (checked before jit, which
-    would otherwise turn int64 numpy input into int32 silently)."""
-    if positions is None:
-        return
-    dtype = getattr(positions, "dtype", None)
-    if dtype is None:
-        raise TypeError(f"{name} must be an int32 array, got {type(positions).__name__}")
-    if np.dtype(dtype) != np.int32:
-        raise TypeError(f"{name} must have dtype int32, got {np.dtype(dtype)}")
-
-
 def gather_rows(x: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
     """x[positions]; an out-of-range position reads NaN rows (visible in the payload) instead of
     XLA's silent clamp. `validate_positions` rejects such maps on the host."""
     return x.at[positions].get(mode="fill", fill_value=jnp.nan)
 
 
-def _check_positions_static(positions, rows: int, num_tokens: int):
-    """Trace-time checks of a position map: rank, dtype, length (no data needed)."""
-    if positions is None:
-        return None
-    positions = jnp.asarray(positions)
-    check_positions_layout(positions.shape, positions.dtype, rows, num_tokens)
-    return positions
-
-
-def check_positions_layout(shape, dtype, rows: int, num_tokens: int) -> None:
-    """Rank, dtype and length of a position map for `rows` compact rows of a `num_tokens`
-    loop, from its shape and (numpy-comparable) dtype alone; shared by both stacks."""
-    if len(shape) != 1:
-        raise ValueError(f"positions must be rank 1 [N], got shape {tuple(shape)}")
-    if np.dtype(dtype) != np.int32:
-        raise TypeError(f"positions must have dtype int32, got {np.dtype(dtype)}")
-    if shape[0] != rows:
-        raise ValueError(f"positions has {shape[0]} entries but current has {rows} rows")
-    if rows > num_tokens:
-        raise ValueError(f"positions has {rows} entries, more than the {num_tokens} tokens")
-
-
-def check_pair_layout(current, previous, dense: bool) -> tuple[int, int]:
-    """`current` and `previous` are (shape, dtype) pairs (from check_values); raise unless they
-    can form a residual; return (N, T). Shared by the JAX and Torch encoders."""
-    ((n, h, d), dtype), ((t, hp, dp), dtype_p) = current, previous
-    if dtype != dtype_p:
-        raise TypeError(f"current.dtype {dtype} != previous.dtype {dtype_p}")
-    if (h, d) != (hp, dp):
-        raise ValueError(
-            f"current [N, H, D] = {(n, h, d)} does not match "
-            f"previous [T, H, D] = {(t, hp, dp)} in H, D"
-        )
-    if dense and n != t:
-        raise ValueError(
-            f"dense residual: current has {n} rows but previous has {t} "
-            f"(pass positions for a sparse residual)"
-        )
-    return n, t
-
-
-def _check_pair(current, previous, positions):
-    current, previous = jnp.asarray(current), jnp.asarray(previous)
-    n, t = check_pair_layout(
-        check_values(current, "current"), check_values(previous, "previous"), positions is None
-    )
-    return current, previous, _check_positions_static(positions, n, t)
-
-
-def check_previous(residual, shape, dtype) -> None:
-    """Raise ValueError unless a predecessor of `shape`/`dtype` is the one `residual` was
-    encoded against (shared by the JAX and Torch decoders)."""
-    if tuple(shape) != residual.shape or dtype != residual.dtype:
-        raise ValueError(
-            f"previous is {dtype}{list(shape)} but the residual was encoded "
-            f"against {residual.dtype}{list(residual.shape)}"
-        )
+#: JAX's row operations for `kvq_jax.core.rows`.
+ROW_OPS = rows.RowOps(
+    take=gather_rows,
+    put=lambda x, positions, values: x.at[positions].set(values),
+    concat=jnp.concatenate,
+    add=add_in_dtype,
+    own=lambda x: x,
+)
 
 
 def validate_positions(positions, num_tokens: int, *, window: Window | None = None) -> None:
@@ -143,30 +82,7 @@ def validate_positions(positions, num_tokens: int, *, window: Window | None = No
     min(sink, T) and the last tokens the window keeps). Call it when you want it: it reads the
     data (a device->host transfer), so the jitted encode/decode paths never call it.
     """
-    p = np.asarray(positions)
-    if p.ndim != 1:
-        raise ValueError(f"positions must be rank 1, got shape {p.shape}")
-    if p.dtype != np.int32:
-        raise ValueError(f"positions must have dtype int32, got {p.dtype}")
-    if p.size and (p.min() < 0 or p.max() >= num_tokens):
-        raise ValueError(
-            f"positions must lie in [0, {num_tokens}), got range [{p.min()}, {p.max()}]"
-        )
-    if p.size > 1 and not np.all(np.diff(p) > 0):
-        bad = int(np.argmax(np.diff(p) <= 0))
-        raise ValueError(
-            f"positions must be strictly increasing; positions[{bad}] = {p[bad]} "
-            f">= positions[{bad + 1}] = {p[bad + 1]}"
-        )
-    if window is not None:
-        head, _, tail = window.split_sizes(num_tokens)
-        need = np.concatenate([np.arange(head), np.arange(num_tokens - tail, num_tokens)])
-        missing = np.setdiff1d(need, p)
-        if missing.size:
-            raise ValueError(
-                f"with a window, positions must include every window row; "
-                f"missing {missing[:8].tolist()}"
-            )
+    checks.host_validate_positions(np.asarray(positions), num_tokens, window=window)
 
 
 def encode_residual(
@@ -192,7 +108,7 @@ def encode_residual(
       window: keep the first `sink` and last `recent` rows (of the compact rows, for a sparse
         residual, whose map must then include the window rows) raw, in the input dtype.
     """
-    check_positions_dtype(positions)
+    checks.check_positions_dtype(positions)
     return _encode_residual(
         current,
         previous,
@@ -218,18 +134,13 @@ def _encode_residual(
     window: Window | None = None,
 ) -> KVResidual:
     """Jitted body of `encode_residual` (positions dtype already checked)."""
-    current, previous, positions = _check_pair(current, previous, positions)
+    current, previous = jnp.asarray(current), jnp.asarray(previous)
+    n, t = checks.check_pair(current, previous, positions is None)
+    if positions is not None:
+        positions = jnp.asarray(positions)
+        checks.check_positions_layout(positions.shape, positions.dtype, n, t)
     window = check_window(window)
-    head = tail = None
-    if window is not None:
-        head, current, tail = split_rows(current, window)
-        if positions is not None:
-            _, positions_mid, _ = split_rows(positions, window)
-            base = gather_rows(previous, positions_mid)
-        else:
-            base = split_rows(previous, window)[1]
-    else:
-        base = previous if positions is None else gather_rows(previous, positions)
+    head, current, tail, base = rows.encode_rows(current, previous, positions, window, ROW_OPS)
     delta = subtract_in_dtype(current, base)
     payload = pack_kv(delta, kind=kind, format=format, group_size=group_size, axis=axis)
     return KVResidual(
@@ -252,16 +163,8 @@ def decode_residual(residual: KVResidual, previous) -> jnp.ndarray:
     if not isinstance(residual, KVResidual):
         raise TypeError(f"residual must be a KVResidual, got {type(residual).__name__}")
     previous = jnp.asarray(previous)
-    check_previous(residual, *check_values(previous, "previous"))
+    checks.check_previous(residual, previous)
     delta = unpack_kv(residual.payload)
-    window, positions = residual.window, residual.positions
-    if positions is None:
-        if window is None:
-            return add_in_dtype(previous, delta)
-        _, middle, _ = split_rows(previous, window)
-        return jnp.concatenate([residual.head, add_in_dtype(middle, delta), residual.tail])
-    if window is None:
-        return previous.at[positions].set(add_in_dtype(gather_rows(previous, positions), delta))
-    head_pos, mid_pos, tail_pos = split_rows(positions, window)
-    out = previous.at[mid_pos].set(add_in_dtype(gather_rows(previous, mid_pos), delta))
-    return out.at[head_pos].set(residual.head).at[tail_pos].set(residual.tail)
+    return rows.decode_rows(
+        previous, delta, residual.head, residual.tail, residual.positions, residual.window, ROW_OPS
+    )

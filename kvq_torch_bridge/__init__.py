@@ -9,12 +9,18 @@ The Torch codec is the PyTorch fallback for GPUs without a Pallas path (CPU and 
 vectorized). It produces the same bytes as kvq_jax and the scalar oracle for every format,
 checked on the shared conformance vectors (`kvq conformance kvq_torch_bridge:pack_kv
 --input torch`).
+
+Importing the Torch stack does not import JAX: it shares only `kvq_jax.core` (the
+framework-neutral modules) with kvq_jax. The DLPack bridge (`from_torch`, `to_torch`,
+`jax_to_torch`, `torch_to_jax`, `CopyWarning`) needs both and imports JAX on first use.
 """
 
-from kvq_jax.spec import DEFAULT_AXIS, KINDS
-from kvq_jax.window import Window
+import importlib
+
+from kvq_jax.core.cache_config import PagedCacheConfig
+from kvq_jax.core.constants import DEFAULT_AXIS, KINDS
+from kvq_jax.core.window import Window
 from kvq_torch_bridge.api import pack_kv, unpack_kv
-from kvq_torch_bridge.bridge import CopyWarning, from_torch, jax_to_torch, to_torch, torch_to_jax
 from kvq_torch_bridge.codec import Codec
 from kvq_torch_bridge.loops import LoopCode, decode_loop, decode_loops, encode_loops
 from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
@@ -38,6 +44,18 @@ def format_for_kv_cache_dtype(kv_cache_dtype: str) -> str:
         ) from None
 
 
+#: Names of the DLPack bridge, imported (with JAX) on first use.
+_BRIDGE = ("CopyWarning", "from_torch", "jax_to_torch", "to_torch", "torch_to_jax")
+
+
+def __getattr__(name: str):
+    if name in _BRIDGE:
+        value = getattr(importlib.import_module("kvq_torch_bridge.bridge"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvq_torch_bridge' has no attribute {name!r}")
+
+
 __all__ = [
     "CODECS",
     "DEFAULT_AXIS",
@@ -48,6 +66,7 @@ __all__ = [
     "KVResidual",
     "LoopCode",
     "PackedKV",
+    "PagedCacheConfig",
     "PagedKVCache",
     "Window",
     "WindowedKV",

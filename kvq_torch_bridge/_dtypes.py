@@ -7,6 +7,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from kvq_jax.core.checks import ShapeDtype
+
 #: torch dtype -> numpy dtype, for every dtype a kvq array or a caller's tensor may have.
 NUMPY_DTYPE: dict[torch.dtype, np.dtype] = {
     torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
@@ -48,3 +50,13 @@ def dtype_name(dtype) -> str:
         dt = NUMPY_DTYPE.get(dtype)
         return str(dtype) if dt is None else str(dt)
     return str(np.dtype(dtype))
+
+
+def meta(x):
+    """The shape and numpy dtype of a torch tensor (`kvq_jax.core.checks.ShapeDtype`), which is
+    what the shared argument checks read; anything else (numpy arrays, None) passes through.
+    A dtype numpy cannot name (e.g. complex32) is kept as the torch dtype, for the message."""
+    if isinstance(x, torch.Tensor):
+        dt = numpy_dtype(x.dtype)
+        return ShapeDtype(tuple(x.shape), dt if dt is not None else x.dtype)
+    return x

@@ -15,47 +15,13 @@ reads garbage for the partial group; so is `repeat_interleave` + slice, see `exp
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from kvq_jax.spec import metadata_shape, num_groups
+from kvq_jax.core.groups import GroupGeometry
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupLayout:
-    """Static description of the groups of a [T, H, D] tensor."""
-
-    shape: tuple[int, int, int]
-    axis: str
-    group_size: int
-
-    @property
-    def metadata_shape(self) -> tuple[int, ...]:
-        return metadata_shape(self.shape, self.axis, self.group_size)
-
-    @property
-    def length(self) -> int:
-        """Elements along the grouping axis."""
-        return self.shape[0] if self.axis == "tokens" else self.shape[2]
-
-    @property
-    def num_groups(self) -> int:
-        return num_groups(self.length, self.group_size)
-
-    @property
-    def padding(self) -> int:
-        return self.num_groups * self.group_size - self.length
-
-    @property
-    def member_axis(self) -> int:
-        """Axis of the grouped view that runs over the members of one group."""
-        return 1 if self.axis == "tokens" else 3
-
-    @property
-    def dim(self) -> int:
-        """Axis of [T, H, D] along which groups run."""
-        return 0 if self.axis == "tokens" else 2
+class GroupLayout(GroupGeometry):
+    """`GroupGeometry` with the Torch operations: per-group reductions, broadcast back."""
 
     def reduce(self, reducer, x: torch.Tensor) -> torch.Tensor:
         """`reducer(tensor, dim=..., keepdim=...)` over each group of `x` [T, H, D] (e.g.

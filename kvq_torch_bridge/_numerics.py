@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq_jax.spec import E2M1_MIDPOINTS, E4M3_MAX, F32_MIN_NORMAL
+from kvq_jax.core.constants import E2M1_MIDPOINTS, E4M3_MAX, F32_MIN_NORMAL
 
 F32 = torch.float32
 _TINY = float(F32_MIN_NORMAL)
@@ -75,7 +75,7 @@ def clamp_e4m3(x: torch.Tensor) -> torch.Tensor:
 def e2m1_magnitude_code(magnitude: torch.Tensor) -> torch.Tensor:
     """|y| in [0, 6] -> 3-bit E2M1 code (uint8), nearest value, ties to the even code.
 
-    The code is the number of midpoints below |y| (`kvq_jax.spec.E2M1_MIDPOINTS`); a tie
+    The code is the number of midpoints below |y| (`kvq_jax.core.constants.E2M1_MIDPOINTS`); a tie
     counts as "below" where it rounds up to the even code. NaN gives 0.
     """
     code = torch.zeros(magnitude.shape, dtype=torch.uint8, device=magnitude.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq_jax.window import Window, check_window, split_rows
+from kvq_jax.core.window import Window, check_window, split_rows
 from kvq_torch_bridge._dtypes import torch_dtype
 from kvq_torch_bridge.codec import check_float_dtype, check_values
 from kvq_torch_bridge.packed import PackedKV, WindowedKV

@@ -13,9 +13,10 @@ import abc
 import numpy as np
 import torch
 
-from kvq_jax import layouts as _layouts
-from kvq_jax.layouts import FLOAT_DTYPES, FormatLayout, check_group_size, check_kind
-from kvq_torch_bridge._dtypes import numpy_dtype
+from kvq_jax.core import checks
+from kvq_jax.core import layouts as _layouts
+from kvq_jax.core.layouts import FLOAT_DTYPES, FormatLayout, check_group_size, check_kind
+from kvq_torch_bridge._dtypes import meta, numpy_dtype
 from kvq_torch_bridge.packed import PackedKV
 
 __all__ = [
@@ -42,18 +43,19 @@ def check_float_dtype(dtype, name: str) -> np.dtype:
 
 def check_values(values, name: str = "values") -> tuple[tuple[int, int, int], np.dtype]:
     """Check a [T, H, D] float torch tensor; return its (shape, numpy dtype)."""
-    if not isinstance(values, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
-    shape = tuple(values.shape)
-    if len(shape) != 3:
-        raise ValueError(f"{name} must have rank 3 [T, H, D], got shape {shape}")
-    if shape[1] < 1 or shape[2] < 1:
-        raise ValueError(f"{name} must have H >= 1 and D >= 1, got shape {shape}")
-    return shape, check_float_dtype(values.dtype, f"{name}.dtype")
+    check_tensor(values, name)
+    return checks.check_values(meta(values), name)
+
+
+def check_tensor(x, name: str) -> torch.Tensor:
+    """`x` is a torch.Tensor, else a TypeError naming argument `name`."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
 
 
 class Codec(FormatLayout, abc.ABC):
-    """A storage format implemented in Torch: a `kvq_jax.layouts.FormatLayout` (the same
+    """A storage format implemented in Torch: a `kvq_jax.core.layouts.FormatLayout` (the same
     names, group-size rules, array shapes and error messages as kvq_jax) plus `pack`/`unpack`.
     """
 

@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from kvq_jax.containers import LoopCodeMixin
-from kvq_jax.loops import check_loop_stack, resolve_loop_args
-from kvq_jax.window import Window
+from kvq_jax.core import checks
+from kvq_jax.core.containers import LoopCodeMixin
+from kvq_jax.core.window import Window
+from kvq_torch_bridge._dtypes import meta
 from kvq_torch_bridge.api import pack_kv, unpack_kv
-from kvq_torch_bridge.codec import check_float_dtype
 from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
 from kvq_torch_bridge.registry import get_codec
 from kvq_torch_bridge.residual import decode_residual, encode_residual
@@ -69,9 +69,8 @@ def encode_loops(
     """
     if not isinstance(loops, torch.Tensor):
         raise TypeError(f"loops must be a torch.Tensor, got {type(loops).__name__}")
-    check_loop_stack(loops.shape)
-    check_float_dtype(loops.dtype, "loops.dtype")
-    residual_format, r_group, positions, window = resolve_loop_args(
+    checks.check_loop_stack(meta(loops))
+    residual_format, r_group, positions, window = checks.resolve_loop_args(
         loops.shape,
         base_format,
         residual_format,
@@ -128,10 +127,7 @@ def decode_loop(code: LoopCode, *, loop: int) -> torch.Tensor:
     """Loop `loop` (0-based) reconstructed, [T, H, D], carrying one running reconstruction
     through the residuals instead of materializing every loop."""
     _check_code(code)
-    if isinstance(loop, bool) or not isinstance(loop, int | np.integer):
-        raise TypeError(f"loop must be an int, got {type(loop).__name__}")
-    if not 0 <= loop < code.num_loops:
-        raise ValueError(f"loop must be in [0, {code.num_loops}), got {loop}")
+    loop = checks.check_loop_index(loop, code.num_loops)
     recon = unpack_kv(code.base)
     for residual in code.residuals[:loop]:
         recon = decode_residual(residual, recon)

@@ -17,14 +17,14 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from kvq_jax.containers import (
+from kvq_jax.core.containers import (
     ARRAY_FIELDS,
     META_FIELDS,
     KVResidualMixin,
     PackedKVMixin,
     WindowedKVMixin,
 )
-from kvq_jax.window import Window
+from kvq_jax.core.window import Window
 from kvq_torch_bridge._dtypes import torch_dtype
 
 __all__ = ["KVResidual", "PackedKV", "WindowedKV", "register_pytree"]

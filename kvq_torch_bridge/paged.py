@@ -5,51 +5,49 @@ Every page is packed on its own (token groups never span two pages; NVFP4 gets o
 scale per page), and the result is a `PackedKV` whose arrays carry a leading page axis
 (`batch_shape == (P,)`). Group sizes are resolved by `kvq_jax.paged.resolve_paged`.
 
-Vectorized, no loop over pages: INT4 and FP8 groups never cross a page boundary (token groups
-divide page_size, channel groups live in one row), so packing the flattened
+Vectorized where the format allows: a format without per-tensor state (INT4, FP8, and any
+registered codec whose arrays all scale with the tokens) has no group crossing a page boundary
+(token groups divide page_size, channel groups live in one row), so packing the flattened
 [P * page_size, H, D] tensor and splitting the leading axis gives each page's bytes. NVFP4
-computes its global scale per page and applies it through views with a leading page axis.
+computes its global scale per page and applies it through views with a leading page axis. A
+registered codec with per-tensor state is packed page by page with its own `pack`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import torch
 
-from kvq_jax.paged import resolve_paged
-from kvq_jax.spec import packed_width
+from kvq_jax.core import checks
+from kvq_jax.core.cache_config import resolve_paged
+from kvq_jax.core.constants import packed_width
 from kvq_torch_bridge import _grouping, _nibbles
-from kvq_torch_bridge._dtypes import torch_dtype
-from kvq_torch_bridge._numerics import (
-    widen,
-)
-from kvq_torch_bridge.api import pack_kv
-from kvq_torch_bridge.codec import check_float_dtype
+from kvq_torch_bridge._dtypes import meta, torch_dtype
+from kvq_torch_bridge._numerics import widen
+from kvq_torch_bridge.api import unpack_kv
+from kvq_torch_bridge.codec import check_float_dtype, check_tensor
 from kvq_torch_bridge.formats import nvfp4
 from kvq_torch_bridge.packed import PackedKV
 from kvq_torch_bridge.registry import get_codec
 
 __all__ = ["check_pages", "pack_paged", "page_storage_bytes", "unpack_paged"]
 
-#: Formats without per-tensor state: a page's bytes are those of its rows in a flat packing.
-_FLAT_FORMATS = ("int4", "fp8_e4m3")
-
 
 def check_pages(pages) -> tuple[int, int, int, int]:
     """Validate torch [P, page_size, H, D] pages; return the shape (kvq_jax's messages)."""
-    if not isinstance(pages, torch.Tensor):
-        raise TypeError(f"pages must be a torch.Tensor, got {type(pages).__name__}")
-    if pages.ndim != 4:
-        raise ValueError(
-            f"pages must have rank 4 [P, page_size, H, D], got shape {tuple(pages.shape)}"
-        )
-    check_float_dtype(pages.dtype, "pages.dtype")
-    num_pages, page_size, h, d = pages.shape
-    if page_size < 1 or h < 1 or d < 1:
-        raise ValueError(f"pages must have page_size, H, D >= 1, got shape {tuple(pages.shape)}")
-    return num_pages, page_size, h, d
+    return checks.check_pages(meta(check_tensor(pages, "pages")))
+
+
+def _flat(codec, page_shape, axis: str, group_size: int) -> bool:
+    """Whether pages of this format pack as their flattened rows: every array's leading axis
+    doubles when the tokens do (no per-tensor state such as NVFP4's global scale)."""
+    t, h, d = page_shape
+    one = codec.array_shapes((t, h, d), axis, group_size)
+    two = codec.array_shapes((2 * t, h, d), axis, group_size)
+    return all(len(s) and two[name][0][0] == 2 * s[0] for name, (s, _) in one.items())
 
 
 def _page_scales(g: torch.Tensor, layout: _grouping.GroupLayout, page_size: int):
@@ -112,37 +110,41 @@ def pack_paged(
     axis: str | None = None,
 ) -> PackedKV:
     """Pack every page of torch `pages` [P, page_size, H, D] on its own; the bytes of
-    `kvq_jax.pack_paged`. `group_size` defaults as in `kvq_jax.paged.resolve_paged`
+    `kvq_jax.pack_paged`. `group_size` defaults as in `kvq_jax.core.cache_config.resolve_paged`
     (token-axis groups must divide page_size). Returns a `PackedKV` with a leading page axis.
+    Any registered format works (see the module doc for the vectorized paths).
     """
     num_pages, page_size, h, d = check_pages(pages)
     page_shape = (page_size, h, d)
+    codec = get_codec(format)
     axis, group_size = resolve_paged(format, kind, page_shape, axis, group_size)
-    get_codec(format).resolve(page_shape, kind, axis, group_size)  # the torch codec agrees
     if format == "nvfp4":
         return _pack_nvfp4_pages(pages, kind=kind, axis=axis, group_size=group_size)
-    if format not in _FLAT_FORMATS:
-        raise NotImplementedError(
-            f"kvq_torch_bridge.pack_paged has no paged path for format {format!r}"
+    shapes = codec.array_shapes(page_shape, axis, group_size)
+    if _flat(codec, page_shape, axis, group_size):
+        # No group crosses a page and no state is per tensor: pack the flattened pages.
+        packed = codec.pack(
+            pages.reshape(num_pages * page_size, h, d), kind=kind, axis=axis, group_size=group_size
         )
-    # Groups never cross a page (token groups divide page_size; channel groups are per row),
-    # and these formats have no per-tensor state: pack the flattened pages, split the axis.
-    flat = pack_kv(
-        pages.reshape(num_pages * page_size, h, d),
-        kind=kind,
-        format=format,
-        group_size=group_size,
-        axis=axis,
-    )
-    shapes = get_codec(format).array_shapes(page_shape, axis, group_size)
-    arrays = {name: a.reshape(num_pages, *shapes[name][0]) for name, a in flat.arrays.items()}
+        arrays = {n: a.reshape(num_pages, *shapes[n][0]) for n, a in packed.arrays.items()}
+    else:
+        each = [codec.pack(p, kind=kind, axis=axis, group_size=group_size).arrays for p in pages]
+        arrays = {
+            n: _stack([e[n] for e in each], shape, dt, pages.device)
+            for n, (shape, dt) in shapes.items()
+        }
     return _paged_packed(arrays, format, kind, axis, group_size, page_shape, pages.dtype)
 
 
+def _stack(pages: list, page_shape, dtype, device) -> torch.Tensor:
+    """Per-page tensors -> one tensor with a leading page axis (also for zero pages)."""
+    if pages:
+        return torch.stack(pages)
+    return torch.zeros((0, *page_shape), dtype=torch_dtype(dtype), device=device)
+
+
 def _check_paged(packed) -> int:
-    if not isinstance(packed, PackedKV) or len(packed.batch_shape) != 1:
-        raise TypeError("packed must be a PackedKV with one leading page axis (from pack_paged)")
-    return packed.batch_shape[0]
+    return checks.check_packed_pages(packed, PackedKV)
 
 
 @torch.no_grad()
@@ -152,18 +154,22 @@ def unpack_paged(packed: PackedKV, dtype=None) -> torch.Tensor:
     dtype = np.dtype(packed.dtype if dtype is None else check_float_dtype(dtype, "dtype"))
     page_size, h, d = packed.shape
     flat_shape = (num_pages * page_size, h, d)
+    codec = get_codec(packed.format)
     if packed.format == "nvfp4":
         layout = _grouping.GroupLayout(flat_shape, packed.axis, packed.group_size)
-        meta = layout.metadata_shape
+        meta_shape = layout.metadata_shape
         _, g_groups = _page_scales(packed.global_scale, layout, page_size)
         codes = packed.codes.reshape(num_pages * page_size, h, packed_width(d))
-        out = nvfp4.dequantize(codes, packed.block_scale.reshape(meta), g_groups, layout)
+        out = nvfp4.dequantize(codes, packed.block_scale.reshape(meta_shape), g_groups, layout)
         return out.to(torch_dtype(dtype)).reshape(num_pages, page_size, h, d).contiguous()
-    if packed.format not in _FLAT_FORMATS:
-        raise NotImplementedError(
-            f"kvq_torch_bridge.unpack_paged has no paged path for format {packed.format!r}"
-        )
-    codec = get_codec(packed.format)
+    if not _flat(codec, packed.shape, packed.axis, packed.group_size):
+        pages = [
+            unpack_kv(
+                dataclasses.replace(packed, **{n: a[i] for n, a in packed.arrays.items()}), dtype
+            )
+            for i in range(num_pages)
+        ]
+        return _stack(pages, packed.shape, dtype, packed.codes.device)
     shapes = codec.array_shapes(flat_shape, packed.axis, packed.group_size)
     flat = PackedKV(
         **{name: a.reshape(shapes[name][0]) for name, a in packed.arrays.items()},

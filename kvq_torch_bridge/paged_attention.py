@@ -12,18 +12,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
-from kvq_jax.paged_attention import _check_q
-from kvq_jax.paged_cache import _check_block_tables, _check_int32, _check_loop
-from kvq_torch_bridge.paged_cache import (
-    PagedKVCache,
-    _check_cache,
-    _index_tensor,
-    _meta,
-    reconstruct,
-)
+from kvq_jax.core import checks
+from kvq_torch_bridge._dtypes import meta
+from kvq_torch_bridge.paged_cache import PagedKVCache, _check_cache, _index_tensor, read_batch
 
 __all__ = ["dense_decode_attention", "gather_batch", "paged_decode_attention"]
 
@@ -41,17 +34,15 @@ def dense_decode_attention(q, k, v, seq_lens) -> torch.Tensor:
     with seq_len 0 gives NaN).
     """
     q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
-    if k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(
-            f"k, v must both be [B, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
+    checks.check_dense_attention_args(meta(q), meta(k), meta(v), meta(seq_lens))
+    return _attend(q, k, v, seq_lens)
+
+
+def _attend(q, k, v, seq_lens) -> torch.Tensor:
+    """`dense_decode_attention` without the argument checks."""
+    q = torch.as_tensor(q)
     b, t, h, d = k.shape
-    bq, hq = _check_q(q, h, d)
-    if bq != b:
-        raise ValueError(f"q has B = {bq} but k, v have B = {b}")
-    _check_int32(_meta(seq_lens), "seq_lens", 1)
-    if np.shape(_meta(seq_lens))[0] != b:
-        raise ValueError(f"seq_lens has {np.shape(_meta(seq_lens))[0]} entries, expected B = {b}")
+    hq = q.shape[1]
     device = k.device
     g = hq // h
     qf = q.to(device=device, dtype=torch.float32).reshape(b, h, g, 1, d)
@@ -70,36 +61,29 @@ def dense_decode_attention(q, k, v, seq_lens) -> torch.Tensor:
 @torch.no_grad()
 def gather_batch(cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None):
     """Reconstructed K, V of a batch: [B, max_pages_per_seq * page_size, H, D] each, rows
-    >= seq_lens[b] zero (the inputs `paged_decode_attention` attends over)."""
+    >= seq_lens[b] zero (`kvq_jax.paged_cache.gather_batch`, the same bits)."""
     config = _check_cache(cache)
-    loop = _check_loop(config, loop)
-    max_pages = _check_block_tables(config, _meta(block_tables))
-    _check_int32(_meta(seq_lens), "seq_lens", 1)
-    b = np.shape(_meta(seq_lens))[0]
+    loop = checks.check_loop_index(loop, config.num_loops)
+    checks.check_block_tables(config, meta(block_tables))
+    b = checks.check_batch(config, meta(seq_lens), meta(seq_ids))
+    return _gather_batch(cache, block_tables, seq_lens, seq_ids, b, loop)
+
+
+def _gather_batch(cache, block_tables, seq_lens, seq_ids, b: int, loop: int):
     device = cache.device
     if seq_ids is None:
-        if b > config.max_seqs:
-            raise ValueError(f"B = {b} exceeds max_seqs = {config.max_seqs}; pass seq_ids")
         seq_ids = torch.arange(b, dtype=torch.int32, device=device)
-    _check_int32(_meta(seq_ids), "seq_ids", 1)
-    if np.shape(_meta(seq_ids))[0] != b:
-        raise ValueError(f"seq_ids has {np.shape(_meta(seq_ids))[0]} entries but seq_lens has {b}")
     seq_ids, tables = _index_tensor(seq_ids, device), _index_tensor(block_tables, device)
-    # tables.at[seq].get(mode="fill", fill_value=-1): out-of-range slots read page -1 (clamped
-    # to page 0 by reconstruct; their stored length is read from the clamped slot).
+    # tables.at[seq].get(mode="fill", fill_value=-1): out-of-range slots read page -1.
     ids = seq_ids.to(torch.int64)
-    ids = torch.where(ids < 0, ids + config.max_seqs, ids)
-    valid = (ids >= 0) & (ids < config.max_seqs)
-    rows = tables[ids.clamp(0, config.max_seqs - 1)]
+    ids = torch.where(ids < 0, ids + cache.config.max_seqs, ids)
+    valid = (ids >= 0) & (ids < cache.config.max_seqs)
+    rows = tables[ids.clamp(0, cache.config.max_seqs - 1)]
     rows = torch.where(valid[:, None], rows, torch.full_like(rows, -1))
-    return reconstruct(
-        cache,
-        seq_ids=seq_ids,
-        lengths=_index_tensor(seq_lens, device),
-        table_rows=rows,
-        loop=loop,
-        max_pages=max_pages,
-    )
+    return read_batch(
+        cache, seq_ids=seq_ids, lengths=_index_tensor(seq_lens, device), table_rows=rows,
+        loop=loop, max_pages=tables.shape[1],
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -111,10 +95,7 @@ def paged_decode_attention(
     seq_lens are not checked against the cache (no host sync). Reference path: `gather_batch`
     then `dense_decode_attention`."""
     config = _check_cache(cache)
-    _check_q(q, config.num_heads, config.head_dim)
-    if np.shape(q)[0] != np.shape(_meta(seq_lens))[0]:
-        raise ValueError(
-            f"q has B = {np.shape(q)[0]} but seq_lens has {np.shape(_meta(seq_lens))[0]}"
-        )
-    k, v = gather_batch(cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids)
-    return dense_decode_attention(q, k, v, seq_lens)
+    b = checks.check_decode_args(config, meta(q), meta(block_tables), meta(seq_lens), loop,
+                                 meta(seq_ids))  # fmt: skip
+    k, v = _gather_batch(cache, block_tables, seq_lens, seq_ids, b, loop)
+    return _attend(q, k, v, seq_lens)

@@ -17,20 +17,14 @@ are caught by `check_append` on the host, which runs kvq_jax's checks on numpy c
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvq_jax import paged_cache as _jax_paged_cache
-from kvq_jax.paged_cache import (
-    PagedCacheConfig,
-    _check_append_static,
-    _check_int32,
-    _check_loop,
-)
-from kvq_torch_bridge._dtypes import numpy_dtype, torch_dtype
+from kvq_jax.core import checks
+from kvq_jax.core.cache_config import PagedCacheConfig
+from kvq_torch_bridge._dtypes import meta, torch_dtype
 from kvq_torch_bridge._numerics import add_in_dtype, subtract_in_dtype
 from kvq_torch_bridge.packed import PackedKV, register_pytree
 from kvq_torch_bridge.paged import pack_paged, unpack_paged
@@ -44,7 +38,7 @@ __all__ = [
     "decode_pages",
     "gather",
     "init_cache",
-    "reconstruct",
+    "read_batch",
 ]
 
 _DATA_FIELDS = (
@@ -121,7 +115,7 @@ def init_cache(config: PagedCacheConfig, device=None) -> PagedKVCache:
         return torch.zeros(shape, dtype=dt, device=device)
 
     def packed(kind, level, batch):
-        return _empty_packed(c, c.spec(kind, level), batch, device)
+        return _empty_packed(c, c.pack_args(kind, level), batch, device)
 
     return PagedKVCache(
         k_base=packed("key", "base", (c.num_pages,)),
@@ -138,15 +132,6 @@ def init_cache(config: PagedCacheConfig, device=None) -> PagedKVCache:
 
 
 # -- argument checks (kvq_jax's, on shape/dtype views of the tensors) ---------------------------
-
-
-def _meta(x):
-    """A shape/dtype stand-in of a torch tensor (numpy dtype) for kvq_jax's static checks; numpy
-    arrays and other array-likes pass through."""
-    if isinstance(x, torch.Tensor):
-        dt = numpy_dtype(x.dtype)
-        return types.SimpleNamespace(shape=tuple(x.shape), dtype=dt if dt is not None else x.dtype)
-    return x
 
 
 def _check_cache(cache) -> PagedCacheConfig:
@@ -169,22 +154,15 @@ def _host(x) -> np.ndarray:
 
 
 def check_append(cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int) -> None:
-    """Host-side data checks of an `append` call: `kvq_jax.paged_cache.check_append`'s checks
-    and messages, run on host copies of seq_lens, block_tables and seq_ids (a device->host
-    transfer; `append` itself never syncs). k and v are only checked by shape and dtype."""
+    """Host-side data checks of an `append` call (`kvq_jax.core.checks.host_check_append`, the
+    JAX cache's checks and messages) on host copies of seq_lens, block_tables and seq_ids (a
+    device->host transfer; `append` itself never syncs). k and v are checked by shape only."""
     config = _check_cache(cache)
-    host_cache = _jax_paged_cache.PagedKVCache(
-        **{name: None for name in _DATA_FIELDS if name != "seq_lens"},
-        seq_lens=_host(cache.seq_lens),
-        config=config,
+    _, n = checks.check_append_args(
+        config, meta(k), meta(v), meta(block_tables), meta(seq_ids), loop
     )
-    _jax_paged_cache.check_append(
-        host_cache,
-        _meta(k),
-        _meta(v),
-        block_tables=_host(block_tables),
-        seq_ids=_host(seq_ids),
-        loop=loop,
+    checks.host_check_append(
+        config, _host(cache.seq_lens), n, _host(block_tables), _host(seq_ids), loop
     )
 
 
@@ -242,7 +220,7 @@ def decode_pages(cache: PagedKVCache, kind: str, pages, *, loop: int) -> torch.T
     """Loop `loop` of physical pages `pages` (int [N], in range), through the residual chain:
     [N, page_size, H, D] in the cache dtype (reference path)."""
     config = _check_cache(cache)
-    loop = _check_loop(config, loop)
+    loop = checks.check_loop_index(loop, config.num_loops)
     base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
     pages = _index_tensor(pages, cache.device).to(torch.int64)
     recon = unpack_paged(_map_packed(base, lambda a: a[pages]))
@@ -289,7 +267,7 @@ def _append_one(cache, kind, new, start, tables, seq_ids, loop):
     pages = buf[:, :complete_max].reshape(b * complete_max, ps, h, d)
 
     if loop == 0:
-        packed = pack_paged(pages, **config.spec(kind, "base"))
+        packed = pack_paged(pages, **config.pack_args(kind, "base"))
         store = getattr(cache, f"{prefix}_base")
         store = dataclasses.replace(
             store,
@@ -300,7 +278,9 @@ def _append_one(cache, kind, new, start, tables, seq_ids, loop):
         )
     else:
         previous = decode_pages(cache, kind, target.clamp(0, num_pages - 1), loop=loop - 1)
-        packed = pack_paged(subtract_in_dtype(pages, previous), **config.spec(kind, "residual"))
+        packed = pack_paged(
+            subtract_in_dtype(pages, previous), **config.pack_args(kind, "residual")
+        )
         store = getattr(cache, f"{prefix}_delta")
         plane = loop - 1
 
@@ -345,7 +325,7 @@ def append(cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int) -> Pa
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    _check_append_static(config, _meta(k), _meta(v), _meta(block_tables), _meta(seq_ids), loop)
+    checks.check_append_args(config, meta(k), meta(v), meta(block_tables), meta(seq_ids), loop)
     device = cache.device
     k, v = k.to(device), v.to(device)
     seq_ids, tables = _index_tensor(seq_ids, device), _index_tensor(block_tables, device)
@@ -374,9 +354,9 @@ def append(cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int) -> Pa
 
 
 @torch.no_grad()
-def reconstruct(cache: PagedKVCache, *, seq_ids, lengths, table_rows, loop: int, max_pages: int):
+def read_batch(cache: PagedKVCache, *, seq_ids, lengths, table_rows, loop: int, max_pages: int):
     """K, V of a batch of sequences of one loop, each [B, max_pages * page_size, H, D]
-    (`kvq_jax.paged_cache.reconstruct`, vectorized over the batch).
+    (`kvq_jax.cache_state.read_batch`).
 
     seq_ids int [B]; lengths int [B] (each <= the stored seq_lens[loop, seq]); table_rows int
     [B, >= max_pages]. Rows < length hold the sequence (complete pages from the quantized
@@ -423,16 +403,8 @@ def gather(cache: PagedKVCache, *, seq_id, seq_len: int, block_table, loop: int)
     (int or 0-d tensor) in loop `loop`: the bits of `kvq_jax.paged_cache.gather` (see it).
     `block_table` is that sequence's int32 row (torch tensor or numpy array)."""
     config = _check_cache(cache)
-    loop = _check_loop(config, loop)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 0:
-        raise ValueError(f"seq_len must be a static int >= 0, got {seq_len!r}")
-    _check_int32(_meta(block_table), "block_table", 1)
-    max_pages = -(-seq_len // config.page_size)
-    if np.shape(_meta(block_table))[0] < max_pages:
-        raise ValueError(
-            f"block_table has {np.shape(_meta(block_table))[0]} entries, fewer than the "
-            f"{max_pages} pages of {seq_len} tokens"
-        )
+    loop = checks.check_loop_index(loop, config.num_loops)
+    max_pages = checks.check_gather_args(config, seq_len, meta(block_table))
     device = cache.device
     if max_pages == 0:
         empty = torch.zeros((0, config.num_heads, config.head_dim), dtype=torch_dtype(config.dtype))
@@ -441,7 +413,7 @@ def gather(cache: PagedKVCache, *, seq_id, seq_len: int, block_table, loop: int)
         seq_ids = seq_id.to(device=device, dtype=torch.int64).reshape(1)
     else:
         seq_ids = torch.full((1,), int(seq_id), dtype=torch.int64, device=device)
-    k, v = reconstruct(
+    k, v = read_batch(
         cache,
         seq_ids=seq_ids,
         lengths=torch.full((1,), seq_len, dtype=torch.int64, device=device),

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq_jax import residual as _jax_residual
-from kvq_jax.window import Window, check_window, split_rows
-from kvq_torch_bridge._dtypes import dtype_name, numpy_dtype
+from kvq_jax.core import checks, rows
+from kvq_jax.core.window import Window, check_window
+from kvq_torch_bridge._dtypes import dtype_name, meta
 from kvq_torch_bridge._numerics import add_in_dtype, subtract_in_dtype
 from kvq_torch_bridge.api import own_rows, pack_kv, unpack_kv
 from kvq_torch_bridge.codec import check_values
@@ -36,16 +36,26 @@ def _check_positions_static(positions, rows: int, num_tokens: int, device):
     if positions is None:
         return None
     positions = _as_index_tensor(positions, device)
-    dtype = numpy_dtype(positions.dtype) or dtype_name(positions.dtype)
-    _jax_residual.check_positions_layout(tuple(positions.shape), dtype, rows, num_tokens)
+    m = meta(positions)
+    checks.check_positions_layout(m.shape, dtype_name(m.dtype), rows, num_tokens)
     return positions
 
 
 def _check_pair(current, previous, positions):
-    n, t = _jax_residual.check_pair_layout(
-        check_values(current, "current"), check_values(previous, "previous"), positions is None
-    )
+    check_values(current, "current")
+    check_values(previous, "previous")
+    n, t = checks.check_pair(meta(current), meta(previous), positions is None)
     return _check_positions_static(positions, n, t, previous.device)
+
+
+#: Torch's row operations for `kvq_jax.core.rows`.
+ROW_OPS = rows.RowOps(
+    take=lambda x, positions: x[positions],
+    put=lambda x, positions, values: x.index_put((positions,), values),
+    concat=torch.cat,
+    add=add_in_dtype,
+    own=own_rows,
+)
 
 
 def validate_positions(positions, num_tokens: int, *, window: Window | None = None) -> None:
@@ -57,7 +67,7 @@ def validate_positions(positions, num_tokens: int, *, window: Window | None = No
         if positions.dtype != torch.int32:
             raise ValueError(f"positions must have dtype int32, got {dtype_name(positions.dtype)}")
         positions = positions.detach().cpu().numpy()
-    _jax_residual.validate_positions(positions, num_tokens, window=window)
+    checks.host_validate_positions(positions, num_tokens, window=window)
 
 
 @torch.no_grad()
@@ -87,19 +97,9 @@ def encode_residual(
     """
     positions = _check_pair(current, previous, positions)
     window = check_window(window)
-    head = tail = None
     if positions is not None:
         positions = own_rows(positions.to(previous.device))
-    if window is not None:
-        head, current, tail = split_rows(current, window)
-        head, tail = own_rows(head), own_rows(tail)
-        if positions is not None:
-            _, positions_mid, _ = split_rows(positions, window)
-            base = previous[positions_mid]
-        else:
-            base = split_rows(previous, window)[1]
-    else:
-        base = previous if positions is None else previous[positions]
+    head, current, tail, base = rows.encode_rows(current, previous, positions, window, ROW_OPS)
     delta = subtract_in_dtype(current, base)
     payload = pack_kv(delta, kind=kind, format=format, group_size=group_size, axis=axis)
     return KVResidual(
@@ -121,16 +121,9 @@ def decode_residual(residual: KVResidual, previous: torch.Tensor) -> torch.Tenso
     """
     if not isinstance(residual, KVResidual):
         raise TypeError(f"residual must be a KVResidual, got {type(residual).__name__}")
-    _jax_residual.check_previous(residual, *check_values(previous, "previous"))
+    check_values(previous, "previous")
+    checks.check_previous(residual, meta(previous))
     delta = unpack_kv(residual.payload)
-    window, positions = residual.window, residual.positions
-    if positions is None:
-        if window is None:
-            return add_in_dtype(previous, delta)
-        _, middle, _ = split_rows(previous, window)
-        return torch.cat([residual.head, add_in_dtype(middle, delta), residual.tail])
-    if window is None:
-        return previous.index_put((positions,), add_in_dtype(previous[positions], delta))
-    head_pos, mid_pos, tail_pos = split_rows(positions, window)
-    out = previous.index_put((mid_pos,), add_in_dtype(previous[mid_pos], delta))
-    return out.index_put((head_pos,), residual.head).index_put((tail_pos,), residual.tail)
+    return rows.decode_rows(
+        previous, delta, residual.head, residual.tail, residual.positions, residual.window, ROW_OPS
+    )

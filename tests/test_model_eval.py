@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvq_torch_bridge  # noqa: E402
+from kvq_jax.core.policies import POLICIES, parse_policies  # noqa: E402
 from kvq_jax.report.capture import EMBEDDED_PATH, load_capture  # noqa: E402
-from kvq_jax.report.policies import POLICIES, parse_policies  # noqa: E402
 from kvq_torch_bridge.model_eval.evaluate import evaluate_policies  # noqa: E402
 from kvq_torch_bridge.model_eval.loading import load_model  # noqa: E402
 from kvq_torch_bridge.model_eval.looped import run_logits  # noqa: E402

@@ -18,13 +18,14 @@ from helpers import assert_same_bytes, assert_same_values, assert_trees_same_byt
 
 import kvq_jax
 from kvq_jax.paged import resolve_paged
-from kvq_jax.paged_attention import dense_decode_attention, gather_batch, paged_decode_attention
+from kvq_jax.paged_attention import dense_decode_attention, paged_decode_attention
 from kvq_jax.paged_cache import (
     PagedCacheConfig,
     append,
     check_append,
     decode_pages,
     gather,
+    gather_batch,
     init_cache,
 )
 

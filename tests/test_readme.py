@@ -46,8 +46,8 @@ def test_python_examples_run_and_their_comments_are_true(capsys):
 
 def test_main_job_prints_every_policy(capsys):
     from kvq_jax import cli
+    from kvq_jax.core.policies import POLICIES
     from kvq_jax.report.capture import EMBEDDED_PATH
-    from kvq_jax.report.policies import POLICIES
 
     if not EMBEDDED_PATH.exists():
         pytest.skip(f"the embedded capture {EMBEDDED_PATH.name} is not in this checkout yet")

@@ -16,9 +16,9 @@ import pytest
 
 import kvq_jax
 from kvq_jax import cli
+from kvq_jax.core.policies import POLICIES, parse_policies
 from kvq_jax.report import capture as cap
 from kvq_jax.report.evaluate import evaluate, policy_sums, stacks
-from kvq_jax.report.policies import POLICIES, parse_policies
 
 #: Policies checked against numpy: INT4 with a window (partial token groups), NVFP4 without
 #: (its per-tensor scale must stay per (window, layer) under vmap).

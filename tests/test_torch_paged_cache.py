@@ -21,7 +21,7 @@ from test_paged_cache import CONFIGS, D, H, L, S, T, filled, make_config, make_k
 import kvq_torch_bridge as ktb
 from kvq_jax import paged_attention as jpa
 from kvq_jax import paged_cache as jpc
-from kvq_jax.paged_cache import PagedCacheConfig
+from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_torch_bridge import paged_attention as tpa
 from kvq_torch_bridge import paged_cache as tpc
 

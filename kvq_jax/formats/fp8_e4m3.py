@@ -10,9 +10,9 @@ import jax.numpy as jnp
 
 from kvq_jax._numerics import divide, flush_subnormal, widen
 from kvq_jax.codec import Codec
-from kvq_jax.layouts import FP8E4M3Layout
+from kvq_jax.core.constants import E4M3_MAX
+from kvq_jax.core.layouts import FP8E4M3Layout
 from kvq_jax.packed import PackedKV
-from kvq_jax.spec import E4M3_MAX
 
 
 class FP8E4M3Codec(FP8E4M3Layout, Codec):

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from kvq_jax import _grouping, _nibbles
 from kvq_jax._numerics import divide, flush_subnormal, round_half_even, widen
 from kvq_jax.codec import Codec
-from kvq_jax.layouts import Int4Layout
+from kvq_jax.core.constants import INT4_LEVELS
+from kvq_jax.core.layouts import Int4Layout
 from kvq_jax.packed import PackedKV
-from kvq_jax.spec import INT4_LEVELS
 
 
 def quantize_groups(xg: jnp.ndarray, valid, member_axis: int):

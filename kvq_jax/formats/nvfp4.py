@@ -15,9 +15,7 @@ from kvq_jax._numerics import (
     widen,
 )
 from kvq_jax.codec import Codec
-from kvq_jax.layouts import NVFP4Layout
-from kvq_jax.packed import PackedKV
-from kvq_jax.spec import (
+from kvq_jax.core.constants import (
     E2M1_MAX,
     E4M3_MAX,
     F32_MAX,
@@ -25,6 +23,8 @@ from kvq_jax.spec import (
     NVFP4_GROUP_SIZE,
     NVFP4_ONE_SIXTH,
 )
+from kvq_jax.core.layouts import NVFP4Layout
+from kvq_jax.packed import PackedKV
 
 GROUP_SIZE = NVFP4_GROUP_SIZE
 

@@ -44,8 +44,8 @@ import numpy as np
 from jax import lax
 
 from kvq_jax._numerics import e2m1_decode
+from kvq_jax.core.constants import NVFP4_GROUP_SIZE
 from kvq_jax.kernels import _exact
-from kvq_jax.spec import NVFP4_GROUP_SIZE
 
 __all__ = [
     "FIELDS",

@@ -11,7 +11,7 @@ import pathlib
 import sys
 import time
 
-from kvq_jax.report.policies import POLICIES
+from kvq_jax.core.policies import POLICIES
 
 REPORT_DESCRIPTION = (
     "Compare KV storage policies (bits/element, K/V reconstruction error, attention-output "
@@ -85,8 +85,8 @@ def _error(message: str) -> int:
 
 def run(args) -> int:
     """The capture report; returns the exit code."""
+    from kvq_jax.core.policies import parse_policies
     from kvq_jax.report import capture as cap
-    from kvq_jax.report.policies import parse_policies
 
     try:
         policies = parse_policies(args.policies)

@@ -34,10 +34,10 @@ import numpy as np
 
 from kvq_jax._numerics import subtract_in_dtype
 from kvq_jax.api import unpack_kv
+from kvq_jax.core.policies import Policy
 from kvq_jax.loops import decode_loops, encode_loops
 from kvq_jax.report.capture import Capture
 from kvq_jax.report.metrics import batched_attention, pool, square_sums
-from kvq_jax.report.policies import Policy
 from kvq_jax.report.progress import progress
 
 

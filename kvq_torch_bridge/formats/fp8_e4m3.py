@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from kvq_jax.layouts import FP8E4M3Layout
-from kvq_jax.spec import E4M3_MAX
+from kvq_jax.core.constants import E4M3_MAX
+from kvq_jax.core.layouts import FP8E4M3Layout
 from kvq_torch_bridge._dtypes import torch_dtype
 from kvq_torch_bridge._numerics import F32, clamp_e4m3, divide, flush_subnormal, widen
 from kvq_torch_bridge.codec import Codec

@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from kvq_jax.layouts import Int4Layout
-from kvq_jax.spec import INT4_LEVELS
+from kvq_jax.core.constants import INT4_LEVELS
+from kvq_jax.core.layouts import Int4Layout
 from kvq_torch_bridge import _grouping, _nibbles
 from kvq_torch_bridge._dtypes import torch_dtype
 from kvq_torch_bridge._numerics import F32, divide, flush_subnormal, round_half_even, widen

@@ -8,14 +8,14 @@ import math
 
 import torch
 
-from kvq_jax.layouts import NVFP4Layout
-from kvq_jax.spec import (
+from kvq_jax.core.constants import (
     E2M1_MAX,
     F32_MAX,
     NVFP4_GLOBAL_NUMERATOR,
     NVFP4_GROUP_SIZE,
     NVFP4_ONE_SIXTH,
 )
+from kvq_jax.core.layouts import NVFP4Layout
 from kvq_torch_bridge import _grouping, _nibbles
 from kvq_torch_bridge._dtypes import torch_dtype
 from kvq_torch_bridge._numerics import (

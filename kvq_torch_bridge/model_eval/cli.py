@@ -89,7 +89,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _policies(args):
-    from kvq_jax.report.policies import parse_policies
+    from kvq_jax.core.policies import parse_policies
 
     text = getattr(args, "policies", None)
     return parse_policies(text)

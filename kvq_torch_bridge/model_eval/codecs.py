@@ -11,8 +11,11 @@ import warnings
 
 import torch
 
-from kvq_jax.loops import resolve_loop_args
-from kvq_jax.report.policies import Policy
+from kvq_jax.core.checks import resolve_loop_args
+from kvq_jax.core.policies import Policy
+from kvq_torch_bridge.api import pack_kv, unpack_kv
+from kvq_torch_bridge.registry import get_codec
+from kvq_torch_bridge.residual import decode_residual, encode_residual
 
 CODECS = ("torch", "jax")
 
@@ -20,8 +23,6 @@ CODECS = ("torch", "jax")
 @functools.cache
 def _residual_args(policy: Policy) -> tuple[str, int | None]:
     """(residual format, residual group size) exactly as `encode_loops` resolves them."""
-    from kvq_torch_bridge.registry import get_codec
-
     residual_format, r_group, _, _ = resolve_loop_args(
         (2,),
         policy.base_format,
@@ -41,8 +42,6 @@ class TorchLoopCoder:
     name = "torch"
 
     def base(self, x: torch.Tensor, policy: Policy, kind: str) -> torch.Tensor:
-        from kvq_torch_bridge import pack_kv, unpack_kv
-
         packed = pack_kv(
             x, kind=kind, format=policy.base_format, group_size=policy.group_size,
             window=policy.window,
@@ -52,8 +51,6 @@ class TorchLoopCoder:
     def residual(
         self, x: torch.Tensor, previous: torch.Tensor, policy: Policy, kind: str
     ) -> torch.Tensor:
-        from kvq_torch_bridge import decode_residual, encode_residual
-
         fmt, group = _residual_args(policy)
         code = encode_residual(
             x, previous, kind=kind, format=fmt, group_size=group, window=policy.window
@@ -62,7 +59,10 @@ class TorchLoopCoder:
 
 
 class JaxLoopCoder:
-    """kvq_jax's jitted codec; tensors cross by DLPack (`torch_to_jax` / `jax_to_torch`)."""
+    """kvq_jax's jitted codec; tensors cross by DLPack (`torch_to_jax` / `jax_to_torch`).
+
+    JAX is imported on first use (`--codec jax`), so the Torch report runs without it.
+    """
 
     name = "jax"
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from kvq_jax.report.policies import POLICIES, Policy
+from kvq_jax.core.policies import POLICIES, Policy
 from kvq_torch_bridge.model_eval.codecs import get_loop_coder
 from kvq_torch_bridge.model_eval.hooks import KVQuantizer, quantized_attention
 from kvq_torch_bridge.model_eval.loading import LoadedModel

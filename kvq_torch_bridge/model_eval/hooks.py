@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from kvq_jax.report.policies import Policy
+from kvq_jax.core.policies import Policy
 
 #: The name the hook is registered under (`config._attn_implementation` while it is active).
 ATTENTION_NAME = "kvq_quantized_kv"

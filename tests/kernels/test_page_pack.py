@@ -1,9 +1,11 @@
-"""Page-pack kernel (kvq_jax.kernels.page_pack): every backend returns `pack_paged`'s bytes.
+"""Page pack (kvq_jax.kernels.page_pack): every backend returns the bytes of `pack_kv` applied
+to each page on its own (the unfused composition of the reference codec, eager, one page at a
+time: `reference_packed`), and the kernel those of the scalar oracle.
 
 - `PagePackBase` runs per backend (subclasses: XLA, Pallas interpret mode): edge-case pages
   (NaN / inf pages, zero and signed-zero pages, INT4 and E2M1 ties, tiny pages that hit the
   NVFP4 tiny-tensor rule and its fallback path, subnormals, FP16 overflow) in bf16 / fp16 /
-  fp32, through `pack_pages`, `pack_paged(backend=...)` and `paged_cache.append(backend=...)`.
+  fp32, through `pack_paged(backend=...)` and `paged_cache.append(backend=...)`.
 - The kernel against the plain-Python oracle on one small configuration per format.
 - The non-interpret kernel lowers for CUDA (Triton IR) for every spec in `arg_specs.SPECS`:
   this runs on a CPU and is what proves the Triton kernel builds; interpret mode is lenient.
@@ -23,10 +25,14 @@ import pytest
 from helpers import assert_packed_equal, assert_same_bytes, assert_trees_same_bytes
 
 from kvq_jax import oracle
+from kvq_jax.api import pack_kv, unpack_kv
+from kvq_jax.core import registry
 from kvq_jax.kernels import backend as kernel_backend
-from kvq_jax.kernels.page_pack import api, arg_specs, config_support, pack_pages, pallas_triton
+from kvq_jax.kernels.page_pack import api, arg_specs, config_support, pallas_triton
+from kvq_jax.kernels.page_pack import xla as page_pack_xla
 from kvq_jax.paged import pack_paged, resolve_paged
 from kvq_jax.paged_cache import PagedCacheConfig, append, init_cache
+from kvq_jax.residual import encode_residual
 
 ON_GPU = kernel_backend.pallas_device_support() is None
 NUM_EDGE_PAGES = 11
@@ -69,10 +75,20 @@ def edge_pages(spec: arg_specs.PagePackSpec, seed: int = 0) -> np.ndarray:
         return x.astype(spec.np_dtype)
 
 
+def per_page(pages, *, kind="key", format="int4", group_size=None, axis=None):
+    """`pack_kv` of each page alone (resolved as `pack_paged` resolves), stacked."""
+    axis, group_size = resolve_paged(format, kind, pages.shape[1:], axis, group_size)
+    each = [
+        pack_kv(page, kind=kind, format=format, group_size=group_size, axis=axis) for page in pages
+    ]
+    return jax.tree.map(lambda *a: jnp.stack(a), *each)
+
+
 @functools.cache
-def xla_packed(spec: arg_specs.PagePackSpec):
+def reference_packed(spec: arg_specs.PagePackSpec):
+    """(pages, expected): the edge pages and `pack_kv` of each page alone, stacked."""
     pages = jnp.asarray(edge_pages(spec))
-    return pages, pack_paged(pages, **spec.kwargs, backend="xla")
+    return pages, per_page(pages, **spec.kwargs)
 
 
 # -- per backend ------------------------------------------------------------------------------
@@ -83,8 +99,8 @@ class PagePackBase:
 
     @pytest.mark.parametrize("spec", arg_specs.SMALL_SPECS, ids=lambda s: s.name)
     def test_edge_pages_match_xla(self, spec):
-        pages, expected = xla_packed(spec)
-        got = pack_pages(pages, **spec.kwargs, backend=self.backend)
+        pages, expected = reference_packed(spec)
+        got = pack_paged(pages, **spec.kwargs, backend=self.backend)
         assert_trees_same_bytes(got, expected, spec.name)
         assert got.shape == expected.shape and got.dtype == expected.dtype
         assert (got.format, got.kind, got.axis, got.group_size) == (
@@ -97,24 +113,30 @@ class PagePackBase:
     @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
     def test_nvfp4_every_dtype(self, dtype):
         spec = arg_specs.PagePackSpec("nvfp4", "key", 16, 3, 32, dtype)
-        pages, expected = xla_packed(spec)
-        assert_trees_same_bytes(pack_pages(pages, **spec.kwargs, backend=self.backend), expected)
+        pages, expected = reference_packed(spec)
+        assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend=self.backend), expected)
 
     def test_pack_paged_dispatches(self):
         spec = arg_specs.PagePackSpec("int4", "value", 32, 1, 64, "float32", 32)
-        pages, expected = xla_packed(spec)
+        pages, expected = reference_packed(spec)
         got = pack_paged(pages[:3], **spec.kwargs, backend=self.backend)
         assert_trees_same_bytes(got, jax.tree.map(lambda a: a[:3], expected))
 
     def test_zero_pages(self):
         pages = jnp.zeros((0, 16, 2, 64), jnp.bfloat16)
         for fmt in ("int4", "nvfp4"):
-            got = pack_pages(pages, kind="key", format=fmt, backend=self.backend)
-            assert_trees_same_bytes(got, pack_paged(pages, kind="key", format=fmt, backend="xla"))
+            got = pack_paged(pages, kind="key", format=fmt, backend=self.backend)
+            axis, group = resolve_paged(fmt, "key", pages.shape[1:], None, None)
+            shapes = registry.layout(fmt).array_shapes(pages.shape[1:], axis, group)
+            assert {n: (a.shape, a.dtype) for n, a in got.arrays.items()} == {
+                n: ((0, *shape), dtype) for n, (shape, dtype) in shapes.items()
+            }
 
     def test_append_loops(self):
-        """The cache's append (loop 0 pages and loop 1 residual deltas) packs with the kernel
-        and stores the same bytes as the XLA path."""
+        """The cache's append packs loop 0 pages and loop 1 residual deltas with the backend:
+        each complete page holds `pack_kv` of its rows (loop 0) and the payload of
+        `encode_residual` of its loop 1 rows against its decoded loop 0 (one page at a time),
+        the unwritten pages stay zero, the partial pages wait raw in staging."""
         config = PagedCacheConfig(
             num_pages=6, page_size=16, num_heads=2, head_dim=64, dtype=jnp.bfloat16,
             num_loops=2, k_base_format="int4", k_residual_format="nvfp4",
@@ -122,18 +144,44 @@ class PagePackBase:
         )  # fmt: skip
         rng = np.random.default_rng(1)
         kv = rng.standard_normal((2, 2, 2, 40, 2, 64)).astype(ml_dtypes.bfloat16)
-        tables = jnp.asarray([[0, 2, 4], [1, 3, 5]], jnp.int32)
+        tables = np.asarray([[0, 2, 4], [1, 3, 5]], np.int32)
         seq_ids = jnp.asarray([0, 1], jnp.int32)
-        caches = {}
-        for backend in ("xla", self.backend):
-            cache = init_cache(config)
-            for loop in range(2):
-                k, v = jnp.asarray(kv[loop, 0]), jnp.asarray(kv[loop, 1])
-                cache = append(
-                    cache, k, v, block_tables=tables, seq_ids=seq_ids, loop=loop, backend=backend
-                )
-            caches[backend] = cache
-        assert_trees_same_bytes(caches[self.backend], caches["xla"], "cache")
+        cache = init_cache(config)
+        for loop in range(2):
+            k, v = jnp.asarray(kv[loop, 0]), jnp.asarray(kv[loop, 1])
+            cache = append(
+                cache, k, v, block_tables=jnp.asarray(tables), seq_ids=seq_ids, loop=loop,
+                backend=self.backend,
+            )  # fmt: skip
+        for kv_index, (kind, prefix) in enumerate((("key", "k"), ("value", "v"))):
+            base_args = config.pack_args(kind, "base")
+            delta_args = config.pack_args(kind, "residual")
+            stored_base, stored_delta = (
+                getattr(cache, f"{prefix}_base"),
+                getattr(cache, f"{prefix}_delta"),
+            )
+            for seq in range(2):
+                for i in range(2):  # complete logical pages 0, 1
+                    page = int(tables[seq, i])
+                    rows = kv[:, kv_index, seq, 16 * i : 16 * (i + 1)]
+                    base = pack_kv(jnp.asarray(rows[0]), **base_args)
+                    delta = encode_residual(
+                        jnp.asarray(rows[1]), unpack_kv(base), **delta_args
+                    ).payload
+                    what = f"{kind} seq {seq} page {i}"
+                    assert_trees_same_bytes(
+                        jax.tree.map(lambda a, p=page: a[p], stored_base), base, what
+                    )
+                    assert_trees_same_bytes(
+                        jax.tree.map(lambda a, p=page: a[0, p], stored_delta),
+                        delta,
+                        what + " delta",
+                    )
+                staged = np.asarray(getattr(cache, f"{prefix}_stage"))[:, seq, :8]
+                assert_same_bytes(staged, kv[:, kv_index, seq, 32:40], f"{kind} staging")
+            for page in (4, 5):
+                for leaf in jax.tree.leaves(jax.tree.map(lambda a, p=page: a[p], stored_base)):
+                    assert not np.asarray(leaf).view(np.uint8).any(), "unwritten page"
 
 
 class TestXLA(PagePackBase):
@@ -142,6 +190,28 @@ class TestXLA(PagePackBase):
 
 class TestPallasInterpret(PagePackBase):
     backend = "pallas_interpret"
+
+
+def _double_the_pages(pages, **kwargs):
+    """A planted defect in the XLA path: the pages are doubled before they are packed."""
+    return _XLA_PACK(pages * 2, **kwargs)
+
+
+_XLA_PACK = page_pack_xla.pack_paged
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_reference_catches_a_planted_defect(monkeypatch):
+    """The per-backend comparison fails when the XLA path packs doubled pages (xfail strict:
+    the test suite fails if this ever passes)."""
+    monkeypatch.setattr(page_pack_xla, "pack_paged", _double_the_pages)
+    spec = arg_specs.SMALL_SPECS[0]
+    pages, expected = reference_packed(spec)
+    jax.clear_caches()
+    try:
+        assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend="xla"), expected)
+    finally:
+        jax.clear_caches()
 
 
 # -- oracle -----------------------------------------------------------------------------------
@@ -159,7 +229,7 @@ class TestPallasInterpret(PagePackBase):
 )
 def test_kernel_matches_oracle(spec):
     pages = edge_pages(spec, seed=3)
-    got = pack_pages(jnp.asarray(pages), **spec.kwargs, backend="pallas_interpret")
+    got = pack_paged(jnp.asarray(pages), **spec.kwargs, backend="pallas_interpret")
     axis, group_size = resolve_paged(
         spec.format, spec.kind, pages.shape[1:], spec.axis, spec.group_size
     )
@@ -195,7 +265,7 @@ def test_kernel_lowers_for_cuda(spec):
     )
     assert config_support(spec.shape(5), spec.np_dtype, **spec.kwargs) is None
     kernel = functools.partial(
-        pallas_triton.pack_pages,
+        pallas_triton.pack_paged,
         kind=spec.kind,
         format=spec.format,
         axis=axis,
@@ -213,8 +283,8 @@ def test_kernel_lowers_for_cuda(spec):
 def test_compiled_kernel_matches_xla_on_gpu(spec):
     if not ON_GPU:
         pytest.skip(kernel_backend.pallas_device_support())
-    pages, expected = xla_packed(spec)
-    assert_trees_same_bytes(pack_pages(pages, **spec.kwargs, backend="pallas"), expected)
+    pages, expected = reference_packed(spec)
+    assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend="pallas"), expected)
     assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend="auto"), expected)
 
 
@@ -224,7 +294,7 @@ def test_compiled_kernel_matches_xla_on_gpu(spec):
 def test_bad_backend():
     pages = jnp.zeros((2, 16, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match="backend"):
-        pack_pages(pages, kind="key", backend="triton")
+        pack_paged(pages, kind="key", backend="triton")
     with pytest.raises(ValueError, match="backend"):
         pack_paged(pages, kind="key", backend="cuda")
 
@@ -232,13 +302,13 @@ def test_bad_backend():
 def test_invalid_arguments_raise_as_pack_paged():
     pages = jnp.zeros((2, 16, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match="must divide page_size"):
-        pack_pages(pages, kind="key", group_size=32, backend="pallas_interpret")
+        pack_paged(pages, kind="key", group_size=32, backend="pallas_interpret")
     with pytest.raises(ValueError, match="group_size must be 16"):
-        pack_pages(pages, kind="key", format="nvfp4", group_size=8)
+        pack_paged(pages, kind="key", format="nvfp4", group_size=8)
     with pytest.raises(ValueError, match="rank 4"):
-        pack_pages(pages[0], kind="key")
+        pack_paged(pages[0], kind="key")
     with pytest.raises(TypeError, match="dtype"):
-        pack_pages(pages.astype(jnp.int32), kind="key")
+        pack_paged(pages.astype(jnp.int32), kind="key")
 
 
 @pytest.mark.parametrize(
@@ -257,28 +327,23 @@ def test_unsupported_config(shape, kwargs, reason):
     pages = jnp.zeros(shape, jnp.float32)
     for backend in ("pallas", "pallas_interpret"):
         with pytest.raises(ValueError, match=rf"backend='{backend}'.*{reason}"):
-            pack_pages(pages, **kwargs, backend=backend)
+            pack_paged(pages, **kwargs, backend=backend)
 
 
 def test_auto_falls_back_to_xla():
     """A page size the kernel does not take (48) packs through XLA under auto."""
     pages = jnp.asarray(np.random.default_rng(0).standard_normal((2, 48, 2, 64)), jnp.float32)
     assert config_support(pages.shape, pages.dtype, kind="key") is not None
-    assert_trees_same_bytes(
-        pack_pages(pages, kind="key", backend="auto"),
-        pack_paged(pages, kind="key", backend="xla"),
-    )
+    assert_trees_same_bytes(pack_paged(pages, kind="key", backend="auto"), per_page(pages))
 
 
 @pytest.mark.skipif(ON_GPU, reason="the device runs the kernel")
 def test_pallas_needs_a_cuda_device():
     pages = jnp.zeros((2, 16, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match=r"backend='pallas'.*CUDA"):
-        pack_pages(pages, kind="key", backend="pallas")
+        pack_paged(pages, kind="key", backend="pallas")
     # auto runs XLA here
-    assert_trees_same_bytes(
-        pack_pages(pages, kind="key"), pack_paged(pages, kind="key", backend="xla")
-    )
+    assert_trees_same_bytes(pack_paged(pages, kind="key"), per_page(pages))
 
 
 def test_storage_bytes():

@@ -7,7 +7,7 @@
   `init_cache` + `append`; their pages hold normal data, an all signed-zero base page with
   tiny (1e-30, 1e-37) and subnormal rows in later loops, a NaN in loop 1, and one page id
   never written (zeros; NVFP4 decodes 0 / 0 = NaN there). Every loop 0..L-1 of both kinds,
-  through `reconstruct_pages`, `decode_pages(backend=...)`, jit and vmap; zero pages.
+  through `decode_pages(backend=...)`, jit and vmap; zero pages.
 - The non-interpret kernel lowers for CUDA (Triton IR) for every `arg_specs.SUPPORTED_SPECS`
   entry (runs on a CPU; proves the Triton kernel builds), and so does its vmap rule.
 - `--run-gpu`: the compiled kernel against XLA on a real GPU.
@@ -24,10 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_same_values
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from references import reference_pages
 
+from kvq_jax.kernels import _exact
 from kvq_jax.kernels import backend as kernel_backend
-from kvq_jax.kernels.page_reconstruct import api, arg_specs, config_support, reconstruct_pages
-from kvq_jax.kernels.page_reconstruct.pallas_triton import reconstruct_pages_pallas
+from kvq_jax.kernels.page_reconstruct import api, arg_specs, config_support, pallas_triton
+from kvq_jax.kernels.page_reconstruct import xla as page_reconstruct_xla
 from kvq_jax.paged_cache import PagedCacheConfig, append, decode_pages, init_cache
 
 ON_GPU = kernel_backend.pallas_device_support() is None
@@ -81,21 +85,22 @@ def filled(spec: arg_specs.ReconstructSpec):
 
 
 @functools.cache
-def _jitted(name: str, kind: str, loop: int, backend: str):
-    fn = {"reconstruct": reconstruct_pages, "decode_pages": decode_pages}[name]
-    return jax.jit(lambda cache, pages: fn(cache, kind, pages, loop=loop, backend=backend))
+def _jitted(kind: str, loop: int, backend: str):
+    return jax.jit(
+        lambda cache, pages: decode_pages(cache, kind, pages, loop=loop, backend=backend)
+    )
 
 
 @functools.cache
 def reference(spec, kind: str, loop: int) -> np.ndarray:
-    return np.asarray(_jitted("decode_pages", kind, loop, "xla")(filled(spec), PAGES))
+    return reference_pages(filled(spec), kind, loop, PAGES)
 
 
 class ReconstructBase:
     backend: str
 
     def run(self, spec, kind, loop, pages=PAGES):
-        return _jitted("reconstruct", kind, loop, self.backend)(filled(spec), pages)
+        return _jitted(kind, loop, self.backend)(filled(spec), pages)
 
     @pytest.mark.parametrize("kind", arg_specs.KINDS)
     @pytest.mark.parametrize("spec", arg_specs.TEST_SPECS, ids=SPEC_IDS)
@@ -118,9 +123,9 @@ class ReconstructBase:
     def test_decode_pages_backend_and_jit(self):
         spec = arg_specs.TEST_SPECS[0]
         loop = spec.num_loops - 1
-        got = _jitted("decode_pages", "value", loop, self.backend)(filled(spec), PAGES)
+        got = _jitted("value", loop, self.backend)(filled(spec), PAGES)
         assert_same_values(got, reference(spec, "value", loop), "decode_pages(backend=...)")
-        eager = reconstruct_pages(filled(spec), "key", PAGES, loop=loop, backend=self.backend)
+        eager = decode_pages(filled(spec), "key", PAGES, loop=loop, backend=self.backend)
         assert_same_values(eager, reference(spec, "key", loop), "eager call")
 
     def test_vmap_over_page_ids(self):
@@ -130,7 +135,7 @@ class ReconstructBase:
         batch = np.stack([PAGES, PAGES[::-1]])
         fn = jax.jit(
             jax.vmap(
-                lambda c, p: reconstruct_pages(c, "key", p, loop=loop, backend=self.backend),
+                lambda c, p: decode_pages(c, "key", p, loop=loop, backend=self.backend),
                 in_axes=(None, 0),
             )
         )
@@ -147,7 +152,7 @@ class ReconstructBase:
         stacked = jax.tree.map(lambda a: jnp.stack([a, a]), cache)
         fn = jax.jit(
             jax.vmap(
-                lambda c, p: reconstruct_pages(c, "value", p, loop=1, backend=self.backend),
+                lambda c, p: decode_pages(c, "value", p, loop=1, backend=self.backend),
                 in_axes=(0, None),
             )
         )
@@ -158,7 +163,7 @@ class ReconstructBase:
 
     def test_zero_pages(self):
         spec = arg_specs.TEST_SPECS[2]
-        got = reconstruct_pages(
+        got = decode_pages(
             filled(spec), "value", np.zeros(0, np.int32), loop=1, backend=self.backend
         )
         assert got.shape == (0, spec.page_size, spec.num_heads, spec.head_dim)
@@ -167,6 +172,29 @@ class ReconstructBase:
 
 class TestXLA(ReconstructBase):
     backend = "xla"
+
+
+def _skip_last_residual(base, delta, pages, *, loop):
+    """A planted defect in the XLA path: one residual step too few."""
+    return _XLA_DECODE(base, delta, pages, loop=max(loop - 1, 0))
+
+
+_XLA_DECODE = page_reconstruct_xla.decode_pages
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_reference_catches_a_planted_defect(monkeypatch):
+    """The per-backend comparison fails when the XLA path drops the last residual step (xfail
+    strict: the suite fails if this ever passes)."""
+    monkeypatch.setattr(page_reconstruct_xla, "decode_pages", _skip_last_residual)
+    spec = arg_specs.TEST_SPECS[0]
+    loop = spec.num_loops - 1
+    jax.clear_caches()
+    try:
+        got = decode_pages(filled(spec), "key", PAGES, loop=loop, backend="xla")
+        assert_same_values(got, reference(spec, "key", loop), "planted defect")
+    finally:
+        jax.clear_caches()
 
 
 class TestPallasInterpret(ReconstructBase):
@@ -185,12 +213,46 @@ class TestPallasGPU(ReconstructBase):
             pages = jnp.asarray(PAGES)
             for kind in arg_specs.KINDS:
                 for loop in range(small.num_loops):
-                    got = _jitted("reconstruct", kind, loop, "pallas")(filled(small), pages)
-                    ref = _jitted("decode_pages", kind, loop, "xla")(filled(small), pages)
+                    got = _jitted(kind, loop, "pallas")(filled(small), pages)
+                    ref = _jitted(kind, loop, "xla")(filled(small), pages)
                     assert_same_values(got, ref, f"{small.name} {kind} loop {loop}")
 
 
 # -- GPU lowering (CPU-only check that the Triton kernel builds) -----------------------------
+
+
+def plain_float_ops(lowered_text: str) -> set[str]:
+    """Which of arith.divf / arith.addf the Triton IR of a CUDA-lowered module holds.
+
+    The IR (MLIR bytecode in the `__gpu$xla.gpu.triton` custom call) names each op kind once
+    in its string table. Triton's divf is div.full.f32 (not IEEE) and a plain addf after a
+    multiply may be contracted to an FMA: the kernels route both through `_exact`."""
+    ir = lowered_text[lowered_text.index("__gpu$xla.gpu.triton") :]
+    return {op for op in ("divf", "addf") if op in ir}
+
+
+def _lower_control(fn):
+    def kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = fn(x_ref[...], y_ref[...])
+
+    def call(x, y):
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        )(x, y)  # fmt: skip
+
+    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    return jax.jit(call).trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_plain_float_op_check_has_a_positive_control():
+    """The IR check sees a plain `/` and `+` in a control kernel, and none when the same
+    arithmetic goes through `_exact` (as the kernels' does)."""
+    assert plain_float_ops(_lower_control(lambda x, y: x / y + x)) == {"divf", "addf"}
+    exact = _lower_control(
+        lambda x, y: _exact.add(_exact.divide(x, y, interpret=False), x, interpret=False)
+    )
+    assert plain_float_ops(exact) == set()
 
 
 def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
@@ -198,7 +260,7 @@ def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
     base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
     delta = delta if loop else None
     if batch is None:
-        fn = functools.partial(reconstruct_pages_pallas, loop=loop, interpret=False)
+        fn = functools.partial(pallas_triton.decode_pages, loop=loop, interpret=False)
         pages = spec.page_ids(8)
     else:
         fn = jax.vmap(api._batchable(loop, False), in_axes=(None, None, 0))
@@ -206,11 +268,7 @@ def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
     lowered = jax.jit(fn).trace(base, delta, pages).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text, "no Triton kernel in the lowered module"
-    # The Triton IR (MLIR bytecode in the custom call) names each op kind once in its string
-    # table: no arith.divf (Triton's divf is div.full.f32, not IEEE) and no arith.addf (a
-    # plain add after a multiply may be contracted to an FMA); both go through `_exact`.
-    ir = text[text.index("__gpu$xla.gpu.triton") :]
-    assert "divf" not in ir and "addf" not in ir, "plain float division / add in the kernel"
+    assert plain_float_ops(text) == set(), "plain float division / add in the kernel"
     return text
 
 
@@ -237,24 +295,24 @@ def test_errors():
     spec = arg_specs.TEST_SPECS[0]
     cache = filled(spec)
     with pytest.raises(ValueError, match="backend must be one of"):
-        reconstruct_pages(cache, "key", PAGES, loop=0, backend="triton")
+        decode_pages(cache, "key", PAGES, loop=0, backend="triton")
     with pytest.raises(ValueError, match="kind must be one of"):
-        reconstruct_pages(cache, "keys", PAGES, loop=0)
+        decode_pages(cache, "keys", PAGES, loop=0)
     with pytest.raises(ValueError, match="loop must be in"):
-        reconstruct_pages(cache, "key", PAGES, loop=spec.num_loops)
+        decode_pages(cache, "key", PAGES, loop=spec.num_loops)
     with pytest.raises(TypeError, match="static int"):
-        reconstruct_pages(cache, "key", PAGES, loop=1.0)
+        decode_pages(cache, "key", PAGES, loop=1.0)
     with pytest.raises(ValueError, match="rank 1"):
-        reconstruct_pages(cache, "key", PAGES[None], loop=0)
+        decode_pages(cache, "key", PAGES[None], loop=0)
     with pytest.raises(TypeError, match="int32"):
-        reconstruct_pages(cache, "key", PAGES.astype(np.float32), loop=0)
+        decode_pages(cache, "key", PAGES.astype(np.float32), loop=0)
     with pytest.raises(TypeError, match="PagedKVCache"):
-        reconstruct_pages(cache.k_base, "key", PAGES, loop=0)
+        decode_pages(cache.k_base, "key", PAGES, loop=0)
     with pytest.raises(TypeError, match="PagedCacheConfig"):
         config_support(cache, "key")
     if not ON_GPU:
         with pytest.raises(ValueError, match="CUDA GPU"):
-            reconstruct_pages(cache, "key", PAGES, loop=0, backend="pallas")
+            decode_pages(cache, "key", PAGES, loop=0, backend="pallas")
 
 
 @pytest.mark.parametrize(
@@ -276,7 +334,7 @@ def test_unsupported_configs(overrides, kind, reason):
     cache = init_cache(config)
     pages = np.array([1, 0], np.int32)
     with pytest.raises(ValueError, match="pallas_interpret"):
-        reconstruct_pages(cache, kind, pages, loop=0, backend="pallas_interpret")
-    got = reconstruct_pages(cache, kind, pages, loop=0, backend="auto")
+        decode_pages(cache, kind, pages, loop=0, backend="pallas_interpret")
+    got = decode_pages(cache, kind, pages, loop=0, backend="auto")
     ref = decode_pages(cache, kind, pages, loop=0, backend="xla")
     assert_same_values(got, ref, "auto fallback")

@@ -1,11 +1,11 @@
 """Page pack: quantize full KV pages [P, page_size, H, D] (the serving append path).
 
-    packed = pack_pages(pages, kind="key", format="int4", backend="auto")
+    packed = pack_paged(pages, kind="key", format="int4", backend="auto")
 
-Same arguments, defaults, checks and result as `kvq_jax.pack_paged`; `backend` picks the XLA
-reference or the Pallas Triton kernel (`kvq_jax.kernels.backend`).
+`api.pack_paged` is `kvq_jax.pack_paged`; `backend` picks the XLA reference (`xla.py`) or the
+Pallas Triton kernel (`pallas_triton.py`).
 """
 
-from kvq_jax.kernels.page_pack.api import config_support, pack_pages
+from kvq_jax.kernels.page_pack.api import config_support, pack_paged
 
-__all__ = ["config_support", "pack_pages"]
+__all__ = ["config_support", "pack_paged"]

@@ -1,12 +1,13 @@
-"""`pack_pages`: pack full KV pages, through the XLA reference or the Pallas Triton kernel.
+"""`pack_paged`: pack full KV pages, through the XLA reference or the Pallas Triton kernel.
 
-`pack_pages(pages, kind=..., format=..., group_size=..., axis=..., backend=...)` takes the
-arguments of `kvq_jax.pack_paged` (same defaults, same checks through `resolve_paged`) and
-returns exactly what `pack_paged` returns, whichever backend runs (`kvq_jax.kernels.backend`:
-"auto" takes the kernel where the device and the configuration allow, else XLA).
+The only place that validates a page-pack call and picks its implementation:
+`pack_paged(pages, kind=..., format=..., group_size=..., axis=..., backend=...)` returns the
+same bytes whichever backend runs (`kvq_jax.kernels.backend`: "auto" takes the kernel where
+the device and the configuration allow, else XLA). `dispatch` is the same call for callers
+that have validated and resolved the arguments already (the paged cache's append).
 
 The kernel takes (`config_support` says why not otherwise):
-  - formats int4, nvfp4 and fp8_e4m3 (a codec registered by a user has no kernel);
+  - formats int4, nvfp4 and fp8_e4m3 (a codec registered by a user runs on XLA);
   - page_size and D powers of two (Triton blocks), D >= 2 (two codes per byte), and a
     [page_size, D] head tile of at most MAX_TILE_ELEMENTS elements (registers); any H;
   - INT4: token groups divide page_size (always: `resolve_paged`), channel groups divide D;
@@ -21,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvq_jax.core import checks
+from kvq_jax.core.cache_config import resolve_paged
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels.page_pack import pallas_triton, xla
 from kvq_jax.packed import PackedKV
-from kvq_jax.paged import check_pages, resolve_paged
 
 #: Formats the kernel implements.
 KERNEL_FORMATS = ("int4", "nvfp4", "fp8_e4m3")
@@ -65,56 +67,25 @@ def config_support(
     group_size: int | None = None,
     axis: str | None = None,
 ) -> str | None:
-    """None when the page-pack kernel takes this call of `pack_pages`, else the reason.
+    """None when the page-pack kernel takes this `pack_paged` call, else the reason.
 
     pages_shape / dtype: those of `pages` [P, page_size, H, D]; the other arguments as for
-    `pack_pages`. Invalid arguments raise as `pack_pages` would (ValueError / TypeError).
+    `pack_paged`. Invalid arguments raise as `pack_paged` would (ValueError / TypeError).
     """
     pages = jax.ShapeDtypeStruct(tuple(pages_shape), dtype)
-    _, page_size, h, d = check_pages(pages)
+    _, page_size, h, d = checks.check_pages(pages)
     axis, group_size = resolve_paged(format, kind, (page_size, h, d), axis, group_size)
     return _reason((page_size, h, d), format, axis, group_size)
 
 
-#: The kernel path, jitted (static: everything but the pages).
-_pack_pages_kernel = jax.jit(
-    pallas_triton.pack_pages, static_argnames=("kind", "format", "axis", "group_size", "interpret")
-)
-
-
-def pack_pages(
-    pages,
-    *,
-    kind: str,
-    format: str = "int4",
-    group_size: int | None = None,
-    axis: str | None = None,
-    backend: str = "auto",
-) -> PackedKV:
-    """Pack every page of `pages` [P, page_size, H, D] on its own, like `kvq_jax.pack_paged`.
-
-    Args:
-      pages: [P, page_size, H, D] bfloat16, float16 or float32.
-      kind, format, group_size, axis: as for `kvq_jax.pack_paged` (token-axis groups must
-        divide page_size; INT4's default group size is gcd(64, page_size) on tokens).
-      backend: "auto" (the Pallas kernel where supported, else XLA), "xla", "pallas" or
-        "pallas_interpret". "pallas" / "pallas_interpret" raise ValueError when the kernel
-        does not take the configuration (`config_support`) or, for "pallas", the device.
-
-    Returns:
-      The `PackedKV` of `pack_paged` (arrays with a leading page axis), byte for byte.
-
-    Not itself jitted (the XLA path is the jitted `pack_paged`, the kernel path a jitted
-    wrapper of the kernel), so it can be called inside or outside `jax.jit`; every argument
-    is checked when it is called or traced, never against the data.
-    """
-    pages = jnp.asarray(pages)
-    num_pages, page_size, h, d = check_pages(pages)
-    axis, group_size = resolve_paged(format, kind, (page_size, h, d), axis, group_size)
-    impl = _backend.resolve_backend(backend, _reason((page_size, h, d), format, axis, group_size))
-    if impl == "xla" or num_pages == 0:  # nothing to launch for zero pages
-        return xla.pack_pages(pages, kind=kind, format=format, group_size=group_size, axis=axis)
-    return _pack_pages_kernel(
+def dispatch(pages, *, kind: str, format: str, group_size: int, axis: str, backend: str):
+    """`pack_paged` for validated pages and resolved (axis, group_size): picks the backend
+    and runs it (traceable)."""
+    page_shape = tuple(pages.shape[1:])
+    impl = _backend.resolve_backend(backend, _reason(page_shape, format, axis, group_size))
+    if impl == "xla" or pages.shape[0] == 0:  # nothing to launch for zero pages
+        return xla.pack_paged(pages, kind=kind, format=format, group_size=group_size, axis=axis)
+    return pallas_triton.pack_paged(
         pages,
         kind=kind,
         format=format,
@@ -124,12 +95,45 @@ def pack_pages(
     )
 
 
+@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis", "backend"))
+def pack_paged(
+    pages,
+    *,
+    kind: str,
+    format: str = "int4",
+    group_size: int | None = None,
+    axis: str | None = None,
+    backend: str = "auto",
+) -> PackedKV:
+    """Pack every page of `pages` [P, page_size, H, D] on its own (`kvq_jax.paged`).
+
+    Args:
+      pages: [P, page_size, H, D] bfloat16, float16 or float32.
+      kind, format, axis: as for `pack_kv`.
+      group_size: as for `pack_kv`; token-axis groups must divide page_size, and INT4's
+        default is gcd(64, page_size) on tokens (`resolve_paged`).
+      backend: "auto" (the Pallas kernel where supported, else XLA), "xla", "pallas" or
+        "pallas_interpret". "pallas" / "pallas_interpret" raise ValueError when the kernel
+        does not take the configuration (`config_support`) or, for "pallas", the device.
+
+    Returns:
+      A `PackedKV` whose arrays carry a leading page axis (`batch_shape == (P,)`), the same
+      bytes from every backend. Every argument is checked while tracing, never the data.
+    """
+    pages = jnp.asarray(pages)
+    _, page_size, h, d = checks.check_pages(pages)
+    axis, group_size = resolve_paged(format, kind, (page_size, h, d), axis, group_size)
+    return dispatch(
+        pages, kind=kind, format=format, group_size=group_size, axis=axis, backend=backend
+    )
+
+
 def storage_bytes(pages_shape, dtype, **kwargs) -> tuple[int, int]:
-    """(bytes read, bytes written) by one `pack_pages` call: the pages, and every packed array
+    """(bytes read, bytes written) by one `pack_paged` call: the pages, and every packed array
     (the effective-bandwidth numerator of the benchmark; NVFP4's second read of each page is
     not counted)."""
     pages = jax.ShapeDtypeStruct(tuple(pages_shape), dtype)
-    out = jax.eval_shape(functools.partial(pack_pages, backend="xla", **kwargs), pages)
+    out = jax.eval_shape(functools.partial(pack_paged, backend="xla", **kwargs), pages)
     read = int(np.prod(pages_shape)) * np.dtype(dtype).itemsize
     written = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(out))
     return read, written

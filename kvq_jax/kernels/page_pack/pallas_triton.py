@@ -42,9 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kvq_jax import _numerics
-from kvq_jax.kernels import _exact
-from kvq_jax.packed import PackedKV
-from kvq_jax.spec import (
+from kvq_jax.core.constants import (
     E2M1_MAX,
     E4M3_MAX,
     F32_MAX,
@@ -53,6 +51,8 @@ from kvq_jax.spec import (
     NVFP4_GROUP_SIZE,
     NVFP4_ONE_SIXTH,
 )
+from kvq_jax.kernels import _exact
+from kvq_jax.packed import PackedKV
 
 _EXPONENT = np.uint32(0x7F800000)
 _F16_NAN_BITS = np.uint16(0x7E00)  # canonical float16 NaN (docs/FORMAT.md section 3)
@@ -332,7 +332,7 @@ def _pack_fp8(pages, interpret):
     return {"codes": lax.bitcast_convert_type(codes, jnp.float8_e4m3fn), "scale": scale}
 
 
-def pack_pages(
+def pack_paged(
     pages, *, kind: str, format: str, axis: str, group_size: int, interpret: bool
 ) -> PackedKV:
     """Validated pages [P, page_size, H, D] (a configuration `api.config_support` accepts,

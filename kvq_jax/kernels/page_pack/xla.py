@@ -1,16 +1,20 @@
-"""The XLA reference of page pack: `kvq_jax.paged.pack_paged` (vmap of `pack_kv` over pages).
+"""The XLA reference of page pack: the format's codec applied to every page (vmap).
 
 The kernel in `pallas_triton.py` is held to this function byte for byte.
 """
 
 from __future__ import annotations
 
-from kvq_jax import paged
+import jax
+
 from kvq_jax.packed import PackedKV
+from kvq_jax.registry import get_codec
 
 
-def pack_pages(pages, *, kind: str, format: str, group_size: int, axis: str) -> PackedKV:
-    """Pack validated pages [P, page_size, H, D] (axis and group_size resolved) with XLA."""
-    return paged.pack_paged(
-        pages, kind=kind, format=format, group_size=group_size, axis=axis, backend="xla"
+def pack_paged(pages, *, kind: str, format: str, group_size: int, axis: str) -> PackedKV:
+    """Pack validated pages [P, page_size, H, D] (axis and group_size resolved) page by page:
+    a PackedKV whose arrays carry a leading page axis."""
+    codec = get_codec(format)
+    return jax.vmap(lambda page: codec.pack(page, kind=kind, axis=axis, group_size=group_size))(
+        pages
     )

@@ -1,4 +1,9 @@
-"""`reconstruct_pages`: loop l of physical pages of a `PagedKVCache`, backend by choice."""
+"""`decode_pages`: loop l of physical pages of a `PagedKVCache`, backend by choice.
+
+The only place that validates a page-reconstruction call and picks its implementation: the
+XLA reference (`xla.py`) or the Pallas Triton kernel (`pallas_triton.py`), same bytes (decoded
+NaNs compared as NaN). `dispatch` is the same call for callers that validated already.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +14,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kvq_jax.cache_state import check_cache, planes
+from kvq_jax.core import checks
+from kvq_jax.core.cache_config import PagedCacheConfig
+from kvq_jax.core.layouts import check_kind
 from kvq_jax.kernels.backend import resolve_backend
-from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS, reconstruct_pages_pallas
-from kvq_jax.kernels.page_reconstruct.xla import reconstruct_pages_xla
-from kvq_jax.paged_cache import PagedCacheConfig, _check_cache, _check_loop
+from kvq_jax.kernels.page_reconstruct import pallas_triton, xla
+from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS
 
-KINDS = ("key", "value")
 #: Largest tile (page_size * head_dim elements) one kernel program holds in registers.
 MAX_TILE_ELEMENTS = 2**15
 
 
 def _power_of_two(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
-
-
-def _check_kind(kind) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return kind
 
 
 def config_support(config: PagedCacheConfig, kind: str) -> str | None:
@@ -38,7 +39,7 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
     """
     if not isinstance(config, PagedCacheConfig):
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
-    _check_kind(kind)
+    check_kind(kind)
     ps, d = config.page_size, config.head_dim
     if not _power_of_two(ps):
         return f"page_size {ps} is not a power of two"
@@ -48,8 +49,8 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
         return f"page_size * head_dim = {ps * d} exceeds {MAX_TILE_ELEMENTS} elements per tile"
     levels = ("base", "residual") if config.num_loops > 1 else ("base",)
     for level in levels:
-        spec = config.spec(kind, level)
-        fmt, axis, group = spec["format"], spec["axis"], spec["group_size"]
+        args = config.pack_args(kind, level)
+        fmt, axis, group = args["format"], args["axis"], args["group_size"]
         if fmt not in FIELDS:
             return f"{kind} {level} format {fmt!r} has no kernel decoder"
         if fmt == "fp8_e4m3":
@@ -80,7 +81,7 @@ def _batchable(loop: int, interpret: bool):
 
     @jax.custom_batching.custom_vmap
     def call(base, delta, pages):
-        return reconstruct_pages_pallas(base, delta, pages, loop=loop, interpret=interpret)
+        return pallas_triton.decode_pages(base, delta, pages, loop=loop, interpret=interpret)
 
     @call.def_vmap
     def _rule(axis_size, in_batched, base, delta, pages):
@@ -104,11 +105,20 @@ def _batchable(loop: int, interpret: bool):
     return call
 
 
-def reconstruct_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto"):
+def dispatch(cache, kind: str, pages, *, loop: int, backend: str):
+    """`decode_pages` for validated arguments: picks the backend and runs it (traceable)."""
+    impl = resolve_backend(backend, config_support(cache.config, kind))
+    base, delta = planes(cache, kind)
+    if impl == "xla":
+        return xla.decode_pages(base, delta, pages, loop=loop)
+    return _batchable(loop, impl == "pallas_interpret")(base, delta if loop else None, pages)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "loop", "backend"))
+def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto"):
     """Loop `loop` of physical pages `pages` of `cache`: [N, page_size, H, D], cache dtype.
 
-    Identical to `kvq_jax.paged_cache.decode_pages` (the XLA reference; decoded NaNs compare
-    as NaN). Args:
+    Args:
       cache: a `PagedKVCache`.
       kind: "key" or "value".
       pages: int32 [N] physical page ids in [0, num_pages) (out-of-range ids read the page
@@ -116,15 +126,11 @@ def reconstruct_pages(cache, kind: str, pages, *, loop: int, backend: str = "aut
       loop: static loop index in [0, num_loops).
       backend: "auto" (the Pallas kernel on a supported CUDA GPU and configuration, else
         XLA), "xla", "pallas" (raises ValueError where unsupported) or "pallas_interpret".
+
+    Each page is its base decoded, then loop by loop its delta decoded and added in the cache
+    dtype (`decode_residual`); every backend gives the same bytes (decoded NaNs as NaN).
     """
-    config = _check_cache(cache)
-    loop = _check_loop(config, loop)
-    _check_kind(kind)
-    pages = _check_pages(pages)
-    impl = resolve_backend(backend, config_support(config, kind))
-    if impl == "xla":
-        return reconstruct_pages_xla(cache, kind, pages, loop=loop)
-    base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
-    if not loop:
-        delta = None
-    return _batchable(loop, impl == "pallas_interpret")(base, delta, pages)
+    config = check_cache(cache)
+    loop = checks.check_loop_index(loop, config.num_loops)
+    check_kind(kind)
+    return dispatch(cache, kind, _check_pages(pages), loop=loop, backend=backend)

@@ -87,7 +87,7 @@ class ReconstructSpec:
 
     def packed_page_bytes(self, kind: str, level: str) -> int:
         """Bytes of one packed page of `kind` at `level` ("base" / "residual")."""
-        spec = self.config().spec(kind, level)
+        spec = self.config().pack_args(kind, level)
         shape = (self.page_size, self.num_heads, self.head_dim)
         return get_codec(spec["format"]).storage_bytes(shape, spec["axis"], spec["group_size"])
 

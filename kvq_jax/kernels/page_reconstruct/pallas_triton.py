@@ -67,7 +67,7 @@ def _plan(packed):
 
 
 @functools.partial(jax.jit, static_argnames=("loop", "interpret", "num_warps"))
-def reconstruct_pages_pallas(
+def decode_pages(
     base, delta, pages, *, loop: int, interpret: bool = False, num_warps: int | None = None
 ):
     """Loop `loop` of physical pages `pages` (int32 [N]) -> [N, page_size, H, D].

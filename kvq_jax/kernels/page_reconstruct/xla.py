@@ -1,11 +1,29 @@
-"""XLA reference of page reconstruction: `kvq_jax.paged_cache.decode_pages` itself."""
+"""The XLA reference of page reconstruction: loop l of physical pages through the residual
+chain, every intermediate loop materialized (the kernel keeps them in registers)."""
 
 from __future__ import annotations
 
-from kvq_jax.paged_cache import decode_pages
+import jax
+import jax.numpy as jnp
+
+from kvq_jax.api import unpack_kv
+from kvq_jax.residual import KVResidual, decode_residual
 
 
-def reconstruct_pages_xla(cache, kind: str, pages, *, loop: int):
-    """Loop `loop` of physical pages `pages` through the residual chain, with XLA:
-    [N, page_size, H, D] in the cache dtype (every intermediate loop is materialized)."""
-    return decode_pages(cache, kind, pages, loop=loop, backend="xla")
+def _take(packed, *index):
+    return jax.tree.map(lambda a: a[index], packed)
+
+
+def decode_pages(base, delta, pages, *, loop: int) -> jnp.ndarray:
+    """Loop `loop` of physical pages `pages` (int32 [N]): [N, page_size, H, D] in the cache dtype.
+
+    base: PackedKV, batch shape (P,) (loop 0 of every page); delta: PackedKV, batch shape
+    (L - 1, P) (None when loop == 0). Each page is `unpack_kv` of its base, then loop by loop
+    `decode_residual` of its delta against the previous loop (XLA index semantics for ids).
+    """
+    recon = jax.vmap(unpack_kv)(_take(base, pages))
+    for r in range(loop):
+        recon = jax.vmap(
+            lambda p, prev: decode_residual(KVResidual(payload=p, shape=prev.shape), prev)
+        )(_take(delta, r, pages), recon)
+    return recon

@@ -1,15 +1,16 @@
-"""Public API: `paged_decode_attention(..., backend=)` and `config_support`.
+"""`paged_decode_attention`: the only place that validates a decode-attention call over the
+paged cache and picks its implementation.
 
-Semantics and argument checks are those of `kvq_jax.paged_attention.paged_decode_attention`
-(the XLA reference): q [B, Hq, D] (one decode token per sequence; Hq a multiple of the H KV
-heads), a `PagedKVCache`, block_tables int32 [max_seqs, max_pages_per_seq], seq_lens int32
-[B] (each in [1, stored length of its sequence in `loop`], not checked), seq_ids int32 [B]
+q [B, Hq, D] (one decode token per sequence; Hq a multiple of the H KV heads), a
+`PagedKVCache`, block_tables int32 [max_seqs, max_pages_per_seq], seq_lens int32 [B] (each in
+[1, stored length of its sequence in `loop`], not checked: no host sync), seq_ids int32 [B]
 (default 0..B-1), loop static. Returns float32 [B, Hq, D].
 
-backend: "xla" (reference), "pallas" (Triton kernel, CUDA GPU >= sm80), "pallas_interpret"
-(the kernel body in Pallas' interpreter, any device), "auto" ("pallas" where the device and
-the configuration allow, else "xla"). num_splits (static): splits of each sequence's pages
-(the kernel's split-K over the context; default `default_num_splits`); ignored by "xla".
+backend: "xla" (the reference, `xla.py`), "pallas" (the Triton kernel, `pallas_triton.py`,
+CUDA GPU >= sm80), "pallas_interpret" (the kernel body in Pallas' interpreter, any device),
+"auto" ("pallas" where the device and the configuration allow, else "xla"). num_splits
+(static): splits of each sequence's pages (the kernel's split-K over the context; default
+`default_num_splits`); ignored by "xla".
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from kvq_jax.cache_state import check_cache
+from kvq_jax.core import checks
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels.paged_attention import pallas_triton, xla
-from kvq_jax.paged_attention import check_decode_args
 
 #: Head dims and page sizes the kernel takes (powers of two: Triton block shapes; D >= 32
 #: keeps every uint8 tile's last axis even, see `pallas_triton.WIDE_INDEX_BYTES`).
@@ -54,12 +57,14 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None) ->
         return f"q: {group} query heads per KV head exceed the kernel's {MAX_GROUP}"
     for kind in ("key", "value"):
         for level in ("base", "residual"):
-            spec = config.spec(kind, level)
-            g, axis = spec["group_size"], spec["axis"]
+            args = config.pack_args(kind, level)
+            fmt, g, axis = args["format"], args["group_size"], args["axis"]
+            if fmt not in pallas_triton.FIELDS:
+                return f"cache.config: {kind} {level} format {fmt!r} has no kernel decoder"
             length = ps if axis == "tokens" else d
             if not _is_pow2(g) or length % g:
                 return (
-                    f"cache.config: {kind} {level} {spec['format']} group size {g} along "
+                    f"cache.config: {kind} {level} {fmt} group size {g} along "
                     f"{axis} must be a power of two dividing {length} (Triton tile shapes)"
                 )
     del num_splits
@@ -83,21 +88,15 @@ def _check_num_splits(num_splits) -> None:
 
 
 def choose_backend(q, cache, block_tables, *, loop: int, backend: str, num_splits=None) -> str:
-    """The implementation a call runs: "xla", "pallas" or "pallas_interpret" (raises for a
-    bad num_splits or backend, and for an explicit pallas backend the call cannot take)."""
+    """The implementation a (validated) call runs: "xla", "pallas" or "pallas_interpret";
+    raises for a bad num_splits or backend, and for an explicit pallas backend the
+    configuration or the device cannot take."""
     _check_num_splits(num_splits)
     support = config_support(q, cache, block_tables, loop=loop, num_splits=num_splits)
     return _backend.resolve_backend(backend, support)
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "num_splits", "interpret"))
-def _kernel(q, cache, block_tables, seq_lens, seq_ids, *, loop, num_splits, interpret):
-    return pallas_triton.paged_decode_attention(
-        q, cache, block_tables, seq_lens, seq_ids, loop=loop, num_splits=num_splits,
-        interpret=interpret,
-    )  # fmt: skip
-
-
+@functools.partial(jax.jit, static_argnames=("loop", "backend", "num_splits"))
 def paged_decode_attention(
     q,
     cache,
@@ -109,29 +108,25 @@ def paged_decode_attention(
     backend: str = "auto",
     num_splits: int | None = None,
 ):
-    """Decode attention over loop `loop` of the quantized paged cache (see the module doc).
+    """Decode attention of q [B, Hq, D] (one token per sequence) over loop `loop` of the
+    quantized paged cache; float32 [B, Hq, D] (see the module doc for the arguments).
 
     Raises TypeError/ValueError naming the argument for bad arguments (every backend), and
     ValueError for backend="pallas"/"pallas_interpret" with a configuration the kernel does
-    not take (`config_support`) or, for "pallas", a device without the Triton kernels.
-    Checks and dispatch happen in Python (shapes only; traceable under an outer jit); the
-    chosen path runs jitted ("xla": `kvq_jax.paged_attention.paged_decode_attention` with
-    backend="xla", whatever num_splits says).
+    not take (`config_support`) or, for "pallas", a device without the Triton kernels. The
+    XLA path equals dense attention on the reconstructed KV (`paged_cache.gather_batch`);
+    the kernel equals it to float32 round-off.
     """
-    check_decode_args(q, cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids)
-    chosen = choose_backend(q, cache, block_tables, loop=loop, backend=backend,
-                            num_splits=num_splits)  # fmt: skip
-    if chosen == "xla":
-        return xla.paged_decode_attention_jit(
-            q, cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids, backend="xla"
-        )
-    b = np.shape(q)[0]
-    if seq_ids is None:
-        seq_ids = jax.numpy.arange(b, dtype=jax.numpy.int32)
+    config = check_cache(cache)
+    b = checks.check_decode_args(config, q, block_tables, seq_lens, loop, seq_ids)
+    impl = choose_backend(q, cache, block_tables, loop=loop, backend=backend, num_splits=num_splits)
+    seq_ids = jnp.arange(b, dtype=jnp.int32) if seq_ids is None else jnp.asarray(seq_ids)
+    if impl == "xla":
+        return xla.paged_decode_attention(q, cache, block_tables, seq_lens, seq_ids, loop=loop)
     max_pages = np.shape(block_tables)[1]
     if num_splits is None:
-        num_splits = default_num_splits(b, cache.config.num_heads, max_pages)
-    return _kernel(
+        num_splits = default_num_splits(b, config.num_heads, max_pages)
+    return pallas_triton.paged_decode_attention(
         q,
         cache,
         block_tables,
@@ -139,5 +134,5 @@ def paged_decode_attention(
         seq_ids,
         loop=int(loop),
         num_splits=int(min(num_splits, max_pages)),
-        interpret=chosen == "pallas_interpret",
+        interpret=impl == "pallas_interpret",
     )

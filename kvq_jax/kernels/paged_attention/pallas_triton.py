@@ -35,11 +35,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kvq_jax.core import registry
 from kvq_jax.kernels._tile_decode import add_in_dtype_tile, decode_tile
 
 #: Query heads per KV head from which scores use pltriton.dot (Triton dots need M, N, K >= 16).
 DOT_MIN_GROUP = 8
-_FIELDS = {
+#: PackedKV array fields per format, in the order the kernel takes them.
+FIELDS = {
     "int4": ("codes", "minimum", "scale"),
     "nvfp4": ("codes", "block_scale", "global_scale"),
     "fp8_e4m3": ("codes", "scale"),
@@ -82,7 +84,7 @@ def _plane_arrays(packed) -> list:
     as their uint8 bits (a same-width bitcast, free; the tile decoder reads the bits), and
     uint8 arrays of WIDE_INDEX_BYTES or more as uint16 pairs (`_widen`)."""
     out = []
-    for name in _FIELDS[packed.format]:
+    for name in FIELDS[packed.format]:
         a = getattr(packed, name)
         if a.dtype == jnp.float8_e4m3fn:
             a = lax.bitcast_convert_type(a, jnp.uint8)
@@ -130,8 +132,7 @@ def _kernel(*refs, planes, loop, dtype, page_size, pages_per_split, use_dot, sin
         fmt, axis, group_size, _ = planes[kind][0 if level == "base" else 1]
         refs_ = plane_refs[kind, level]
         arrays = {
-            name: _load_tile(r, prefix, page, h)
-            for name, r in zip(_FIELDS[fmt], refs_, strict=True)
+            name: _load_tile(r, prefix, page, h) for name, r in zip(FIELDS[fmt], refs_, strict=True)
         }
         return decode_tile(fmt, axis, group_size, arrays, interpret=interpret)
 
@@ -244,7 +245,7 @@ def paged_decode_attention(
     qf = jnp.asarray(q, jnp.float32).reshape(b, h, group, d)
     if rows > group:
         qf = jnp.pad(qf, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    # Per-sequence scalars, exactly as `reconstruct` reads them (slots clamp, rows fill -1).
+    # Per-sequence scalars, as `cache_state.read_batch` reads them (slots clamp, rows fill -1).
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
     slots = jnp.clip(seq_ids, 0, config.max_seqs - 1)
     tables = jnp.asarray(block_tables).at[seq_ids].get(mode="fill", fill_value=-1)
@@ -255,9 +256,9 @@ def paged_decode_attention(
     for kind, prefix in (("key", "k"), ("value", "v")):
         desc = []
         for level in ("base", "residual"):
-            spec = config.spec(kind, level)
-            n = len(_FIELDS[spec["format"]])
-            desc.append((spec["format"], spec["axis"], spec["group_size"], n))
+            args = config.pack_args(kind, level)
+            n = len(FIELDS[args["format"]])
+            desc.append((args["format"], args["axis"], args["group_size"], n))
         planes[kind] = tuple(desc)
         arrays += _plane_arrays(getattr(cache, f"{prefix}_base"))
     if loop:
@@ -317,11 +318,11 @@ def kv_bytes_read(config, seq_lens, *, loop: int) -> int:
     the base and `loop` residual planes (every head), per sequence with a partial page its
     K + V staging page (cache dtype), and per sequence the K + V sink rows padded to whole
     pages. Block tables, queries and outputs are not counted."""
-    from kvq_jax.paged_cache import _empty_packed
 
     def page_bytes(kind, level):
-        packed = jax.eval_shape(lambda: _empty_packed(config, config.spec(kind, level), (1,)))
-        return packed.storage_bytes
+        args = config.pack_args(kind, level)
+        layout = registry.layout(args["format"])
+        return layout.storage_bytes(config.page_shape, args["axis"], args["group_size"])
 
     per_page = sum(page_bytes(kind, "base") for kind in ("key", "value"))
     per_page += loop * sum(page_bytes(kind, "residual") for kind in ("key", "value"))

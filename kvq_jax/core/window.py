@@ -2,20 +2,15 @@
 
 Keeping the attention-sink tokens and the most recent tokens in the input dtype cut the KL of
 all-4-bit policies 5-14x on Ouro in the seed measurements. Only the middle rows are packed, and
-token-axis groups are formed over those rows alone.
+token-axis groups are formed over those rows alone. Framework-neutral: `split_rows` slices any
+array type (jax, torch, numpy).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-
-from kvq_jax.containers import WindowedKVMixin
-from kvq_jax.packed import PackedKV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,36 +34,13 @@ class Window:
 
 
 def check_window(window) -> Window | None:
+    """`window` if it is a Window or None, else a TypeError naming the argument."""
     if window is not None and not isinstance(window, Window):
         raise TypeError(f"window must be a kvq_jax.Window or None, got {type(window).__name__}")
     return window
 
 
-def split_rows(x: jnp.ndarray, window: Window):
+def split_rows(x, window: Window):
     """[R, ...] -> (head [h, ...], middle [m, ...], tail [t, ...]) by the window's sizes."""
     head, middle, _ = window.split_sizes(x.shape[0])
     return x[:head], x[head : head + middle], x[head + middle :]
-
-
-def join_rows(head, middle, tail) -> jnp.ndarray:
-    return jnp.concatenate([head, middle, tail], axis=0)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class WindowedKV(WindowedKVMixin):
-    """A [T, H, D] tensor whose window rows are stored raw and whose middle rows are packed.
-
-    head: [h, H, D] and tail: [t, H, D] in the input dtype (h = min(sink, T),
-    t = min(recent, T - h)); middle: PackedKV of the [T - h - t, H, D] middle rows.
-    """
-
-    head: Any
-    tail: Any
-    middle: PackedKV
-    window: Window
-    shape: tuple[int, int, int]
-
-
-jax.tree_util.register_dataclass(
-    WindowedKV, data_fields=["head", "tail", "middle"], meta_fields=["window", "shape"]
-)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvq_jax.window import Window
+from kvq_jax.core.window import Window
 
 #: The BF16 window of the "+win" rows: 4 attention-sink rows and the 16 most recent rows.
 DEFAULT_WINDOW = Window(sink=4, recent=16)

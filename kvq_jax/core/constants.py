@@ -1,4 +1,4 @@
-"""Framework-neutral facts of the kvq formats (docs/FORMAT.md), shared by every stack.
+"""Framework-neutral constants of the kvq formats (docs/FORMAT.md), shared by every stack.
 
 No JAX or Torch here: names, defaults, layout arithmetic and the numeric constants that the
 JAX codecs, the Torch codec and kernels all use.

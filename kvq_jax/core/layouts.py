@@ -13,7 +13,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from kvq_jax import spec
+from kvq_jax.core import constants
 
 #: Input/output dtypes the codecs accept.
 FLOAT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
@@ -23,19 +23,19 @@ _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 def check_float_dtype(dtype, name: str) -> np.dtype:
     """Return `dtype` as a numpy dtype, or raise TypeError naming argument `name`."""
+    allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
     try:
         dt = np.dtype(dtype)
-    except TypeError as e:
-        raise TypeError(f"{name}: {dtype!r} is not a dtype") from e
+    except TypeError:
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {dtype}") from None
     if dt not in FLOAT_DTYPES:
-        allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {dt}")
     return dt
 
 
 def check_kind(kind) -> str:
-    if kind not in spec.KINDS:
-        raise ValueError(f"kind must be one of {spec.KINDS}, got {kind!r}")
+    if kind not in constants.KINDS:
+        raise ValueError(f"kind must be one of {constants.KINDS}, got {kind!r}")
     return kind
 
 
@@ -65,9 +65,9 @@ class FormatLayout:
     def resolve(self, shape, kind: str, axis: str | None, group_size: int | None):
         """Validate and default (axis, group_size) for values of `shape` (trace time only)."""
         check_kind(kind)
-        axis = spec.DEFAULT_AXIS[kind] if axis is None else axis
-        if axis not in spec.AXES:
-            raise ValueError(f"axis must be one of {spec.AXES} or None, got {axis!r}")
+        axis = constants.DEFAULT_AXIS[kind] if axis is None else axis
+        if axis not in constants.AXES:
+            raise ValueError(f"axis must be one of {constants.AXES} or None, got {axis!r}")
         group_size = self.default_group_size if group_size is None else group_size
         return axis, check_group_size(group_size)
 
@@ -91,13 +91,13 @@ class Int4Layout(FormatLayout):
 
     name = "int4"
     array_fields = ("codes", "minimum", "scale")
-    default_group_size = spec.INT4_DEFAULT_GROUP_SIZE
+    default_group_size = constants.INT4_DEFAULT_GROUP_SIZE
 
     def array_shapes(self, shape, axis, group_size):
         t, h, d = shape
-        meta = spec.metadata_shape(shape, axis, group_size)
+        meta = constants.metadata_shape(shape, axis, group_size)
         return {
-            "codes": ((t, h, spec.packed_width(d)), _U8),
+            "codes": ((t, h, constants.packed_width(d)), _U8),
             "minimum": (meta, _F16),
             "scale": (meta, _F16),
         }
@@ -108,22 +108,22 @@ class NVFP4Layout(FormatLayout):
 
     name = "nvfp4"
     array_fields = ("codes", "block_scale", "global_scale")
-    default_group_size = spec.NVFP4_GROUP_SIZE
+    default_group_size = constants.NVFP4_GROUP_SIZE
     fixed_group_size = True
 
     def resolve(self, shape, kind, axis, group_size):
         axis, group_size = super().resolve(shape, kind, axis, group_size)
-        if group_size != spec.NVFP4_GROUP_SIZE:
+        if group_size != constants.NVFP4_GROUP_SIZE:
             raise ValueError(
-                f"group_size must be {spec.NVFP4_GROUP_SIZE} for nvfp4, got {group_size}"
+                f"group_size must be {constants.NVFP4_GROUP_SIZE} for nvfp4, got {group_size}"
             )
         return axis, group_size
 
     def array_shapes(self, shape, axis, group_size):
         t, h, d = shape
         return {
-            "codes": ((t, h, spec.packed_width(d)), _U8),
-            "block_scale": (spec.metadata_shape(shape, axis, group_size), _E4M3),
+            "codes": ((t, h, constants.packed_width(d)), _U8),
+            "block_scale": (constants.metadata_shape(shape, axis, group_size), _E4M3),
             "global_scale": ((), _F32),
         }
 
@@ -151,3 +151,9 @@ class FP8E4M3Layout(FormatLayout):
     def array_shapes(self, shape, axis, group_size):
         t, h, d = shape
         return {"codes": ((t, h, d), _E4M3), "scale": ((t, h), _F32)}
+
+
+#: The built-in formats' layouts (each stack registers codecs that derive from these).
+BUILTIN_LAYOUTS: dict[str, FormatLayout] = {
+    layout.name: layout for layout in (Int4Layout(), NVFP4Layout(), FP8E4M3Layout())
+}

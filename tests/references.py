@@ -1,0 +1,75 @@
+"""Independent references for the paged cache: the unfused composition of the public codec
+functions, one page and one sequence at a time (eager Python loops, no vmap, no shared code
+with the paths under test), and float64 NumPy attention."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from kvq_jax.api import unpack_kv
+from kvq_jax.residual import KVResidual, decode_residual
+
+
+def reference_pages(cache, kind: str, loop: int, pages) -> np.ndarray:
+    """Loop `loop` of physical `pages` [N]: `unpack_kv` of each page's base, then
+    `decode_residual` of each of its deltas up to `loop`; [N, page_size, H, D]."""
+    base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
+    out = []
+    for page in np.asarray(pages).tolist():
+        recon = unpack_kv(jax.tree.map(lambda a, p=page: a[p], base))
+        for r in range(loop):
+            payload = jax.tree.map(lambda a, r=r, p=page: a[r, p], delta)
+            recon = decode_residual(KVResidual(payload=payload, shape=recon.shape), recon)
+        out.append(np.asarray(recon))
+    ps, h, d = cache.config.page_shape
+    return np.stack(out) if out else np.zeros((0, ps, h, d), np.dtype(cache.config.dtype))
+
+
+def reference_sequence(cache, kind: str, loop: int, table_row, slot: int, length: int):
+    """The rows a sequence attends in `loop`: [length, H, D] in the cache dtype. Complete pages
+    (`reference_pages`), then the staging rows of the partial page, the raw sink rows over the
+    first `sink` positions."""
+    config = cache.config
+    ps = config.page_size
+    stored = int(np.asarray(cache.seq_lens)[loop, slot])
+    prefix = "k" if kind == "key" else "v"
+    full = stored // ps
+    rows = [
+        reference_pages(cache, kind, loop, np.asarray(table_row)[:full]).reshape(
+            full * ps, *config.page_shape[1:]
+        )
+    ]
+    rows.append(np.asarray(getattr(cache, f"{prefix}_stage"))[loop, slot, : stored - full * ps])
+    out = np.concatenate(rows)
+    n_sink = min(config.sink, stored)
+    out[:n_sink] = np.asarray(getattr(cache, f"{prefix}_sink"))[loop, slot, :n_sink]
+    return out[:length]
+
+
+def numpy_decode_attention(q, ks, vs) -> np.ndarray:
+    """softmax(q k^T / sqrt(D)) v per sequence in float64 (GQA), as float32 [B, Hq, D]; ks, vs
+    are lists of [T_b, H, D] arrays."""
+    q = np.asarray(q, np.float64)
+    b, hq, d = q.shape
+    out = np.empty((b, hq, d))
+    for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
+        k, v = np.asarray(k, np.float64), np.asarray(v, np.float64)
+        g = hq // k.shape[1]
+        kh, vh = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)  # [T, Hq, D]
+        s = np.einsum("hd,thd->ht", q[i], kh) / np.sqrt(d)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[i] = np.einsum("ht,thd->hd", p / p.sum(axis=1, keepdims=True), vh)
+    return out.astype(np.float32)
+
+
+def reference_attention(q, cache, block_tables, seq_lens, *, loop: int, seq_ids=None):
+    """Paged decode attention from `reference_sequence` and `numpy_decode_attention`."""
+    tables, lens = np.asarray(block_tables), np.asarray(seq_lens)
+    ids = np.arange(len(lens)) if seq_ids is None else np.asarray(seq_ids)
+    ks, vs = [], []
+    for slot, length in zip(ids.tolist(), lens.tolist(), strict=True):
+        row = tables[slot]
+        ks.append(reference_sequence(cache, "key", loop, row, slot, length))
+        vs.append(reference_sequence(cache, "value", loop, row, slot, length))
+    return numpy_decode_attention(q, ks, vs)
