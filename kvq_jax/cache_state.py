@@ -12,6 +12,11 @@ Layout (P physical pages of `page_size` tokens, L loops, S sequence slots, H hea
                        (rows past the fill are zero).
     k_sink, v_sink:    [L, S, sink, H, D] raw copies of each sequence's first `sink` tokens.
     seq_lens:          int32 [L, S] tokens written per loop and sequence.
+    depth:             uint8 [P, page_size] (adaptive-exit caches, else None): per row of a
+                       quantized page, the last loop with its own K/V (L - 1 unless the token
+                       exited early); reconstruction skips the deltas of later loops.
+    stage_exited:      bool [L, S, page_size] (adaptive-exit caches, else None): staged rows
+                       whose token had exited before that loop.
 
 Base and deltas are two containers (not one (L, P) stack) because loop 0 and the deltas may use
 different formats, whose packed arrays differ. All loops share one block table: a sequence's
@@ -48,6 +53,8 @@ DATA_FIELDS = (
     "k_sink",
     "v_sink",
     "seq_lens",
+    "depth",
+    "stage_exited",
 )
 
 
@@ -64,6 +71,8 @@ class PagedKVCache:
     k_sink: Any
     v_sink: Any
     seq_lens: Any
+    depth: Any = None
+    stage_exited: Any = None
     config: PagedCacheConfig
 
     @property
@@ -128,6 +137,10 @@ def init_cache(config: PagedCacheConfig) -> PagedKVCache:
         k_sink=rows(c.sink),
         v_sink=rows(c.sink),
         seq_lens=jnp.zeros((c.num_loops, c.max_seqs), jnp.int32),
+        depth=jnp.zeros((c.num_pages, c.page_size), jnp.uint8) if c.adaptive_exit else None,
+        stage_exited=jnp.zeros((c.num_loops, c.max_seqs, c.page_size), bool)
+        if c.adaptive_exit
+        else None,
         config=c,
     )
 

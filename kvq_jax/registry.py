@@ -16,7 +16,7 @@ from kvq_jax.formats import fp8_e4m3, int4, nvfp4
 
 __all__ = ["CODECS", "get_codec", "register_codec", "unregister_codec"]
 
-CODECS = Registry(Codec, "kvq_jax", on_change=jax.clear_caches)
+CODECS = Registry(Codec, "kvq_jax.Codec", on_change=jax.clear_caches)
 
 
 #: The registry's methods under their public names (see `Registry` for the contracts).

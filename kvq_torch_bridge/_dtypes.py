@@ -60,3 +60,24 @@ def meta(x):
         dt = numpy_dtype(x.dtype)
         return ShapeDtype(tuple(x.shape), dt if dt is not None else x.dtype)
     return x
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor (any device) -> a NumPy array with its dtype (ml_dtypes for bfloat16 and
+    float8) and bytes, through a bit view (numpy has no native bfloat16 / float8)."""
+    dtype = NUMPY_DTYPE[tensor.dtype]
+    raw = tensor.detach().cpu().contiguous()
+    if tensor.dtype != torch.bool:
+        raw = raw.view(BITS[tensor.element_size()])
+    return raw.numpy().view(dtype)
+
+
+def from_numpy(array: np.ndarray, device=None) -> torch.Tensor:
+    """A NumPy array (ml_dtypes included) -> a tensor with its bytes on `device` (a copy)."""
+    a = np.ascontiguousarray(array)
+    raw = a if a.dtype == np.bool_ else a.view(_NP_BITS[a.dtype.itemsize])
+    return torch.from_numpy(raw.copy()).view(TORCH_DTYPE[a.dtype]).to(device)
+
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}

@@ -44,6 +44,7 @@ def check_float_dtype(dtype, name: str) -> np.dtype:
 def check_values(values, name: str = "values") -> tuple[tuple[int, int, int], np.dtype]:
     """Check a [T, H, D] float torch tensor; return its (shape, numpy dtype)."""
     check_tensor(values, name)
+    check_float_dtype(values.dtype, f"{name}.dtype")  # torch dtypes numpy cannot name
     return checks.check_values(meta(values), name)
 
 

@@ -16,9 +16,9 @@ import torch
 
 from kvq_jax.core import checks
 from kvq_torch_bridge._dtypes import meta
-from kvq_torch_bridge.paged_cache import PagedKVCache, _check_cache, _index_tensor, read_batch
+from kvq_torch_bridge.paged_cache import PagedKVCache, _check_cache, _index_tensor, batch_rows
 
-__all__ = ["dense_decode_attention", "gather_batch", "paged_decode_attention"]
+__all__ = ["dense_decode_attention", "paged_decode_attention"]
 
 
 @torch.no_grad()
@@ -59,34 +59,6 @@ def _attend(q, k, v, seq_lens) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gather_batch(cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None):
-    """Reconstructed K, V of a batch: [B, max_pages_per_seq * page_size, H, D] each, rows
-    >= seq_lens[b] zero (`kvq_jax.paged_cache.gather_batch`, the same bits)."""
-    config = _check_cache(cache)
-    loop = checks.check_loop_index(loop, config.num_loops)
-    checks.check_block_tables(config, meta(block_tables))
-    b = checks.check_batch(config, meta(seq_lens), meta(seq_ids))
-    return _gather_batch(cache, block_tables, seq_lens, seq_ids, b, loop)
-
-
-def _gather_batch(cache, block_tables, seq_lens, seq_ids, b: int, loop: int):
-    device = cache.device
-    if seq_ids is None:
-        seq_ids = torch.arange(b, dtype=torch.int32, device=device)
-    seq_ids, tables = _index_tensor(seq_ids, device), _index_tensor(block_tables, device)
-    # tables.at[seq].get(mode="fill", fill_value=-1): out-of-range slots read page -1.
-    ids = seq_ids.to(torch.int64)
-    ids = torch.where(ids < 0, ids + cache.config.max_seqs, ids)
-    valid = (ids >= 0) & (ids < cache.config.max_seqs)
-    rows = tables[ids.clamp(0, cache.config.max_seqs - 1)]
-    rows = torch.where(valid[:, None], rows, torch.full_like(rows, -1))
-    return read_batch(
-        cache, seq_ids=seq_ids, lengths=_index_tensor(seq_lens, device), table_rows=rows,
-        loop=loop, max_pages=tables.shape[1],
-    )  # fmt: skip
-
-
-@torch.no_grad()
 def paged_decode_attention(
     q, cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None
 ) -> torch.Tensor:
@@ -97,5 +69,5 @@ def paged_decode_attention(
     config = _check_cache(cache)
     b = checks.check_decode_args(config, meta(q), meta(block_tables), meta(seq_lens), loop,
                                  meta(seq_ids))  # fmt: skip
-    k, v = _gather_batch(cache, block_tables, seq_lens, seq_ids, b, loop)
+    k, v = batch_rows(cache, block_tables, seq_lens, seq_ids, b, loop)
     return _attend(q, k, v, seq_lens)

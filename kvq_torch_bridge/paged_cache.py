@@ -5,13 +5,15 @@ torch tensors; the configuration is `kvq_jax.paged_cache.PagedCacheConfig` itsel
 framework-neutral). After the same appends every packed page, staging row, sink row and
 seq_lens entry has the bytes of the JAX cache, and `gather` returns the same bits.
 
-`append` is functional (returns a new cache; the input's tensors are never written) and
-vectorized over the batch: loop 0 pages go through `pack_paged`, loop l > 0 pages through the
-page-wise residual (delta in the cache dtype against the reconstructed loop l - 1 page, packed
-with `pack_paged`), exactly as `encode_residual` per page. Out-of-range writes are dropped the
-way JAX's `mode="drop"` scatters drop them: through one spare row that is cut off afterwards,
-so nothing reads data back to the host (no `.item()`, no data-dependent shapes). Data errors
-are caught by `check_append` on the host, which runs kvq_jax's checks on numpy copies.
+`append` writes into the cache's tensors in place (`index_copy_` of the rows that change: the
+store is never reallocated, so a decode step costs O(the tokens appended), not O(the pool)) and
+returns the same cache; it is vectorized over the batch: loop 0 pages go through `pack_paged`,
+loop l > 0 pages through the page-wise residual (delta in the cache dtype against the
+reconstructed loop l - 1 page, packed with `pack_paged`), exactly as `encode_residual` per page.
+Out-of-range writes are dropped as JAX's `mode="drop"` scatters drop them, without reading
+anything back to the host (`_put_`); data errors are caught by `check_append` on the host.
+`fork`, `swap_out` / `swap_in` and adaptive exits are those of `kvq_jax.paged_cache`, with the
+same bytes (a sequence swapped out of one stack swaps into the other).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
-from kvq_torch_bridge._dtypes import meta, torch_dtype
+from kvq_jax.core.offload import HostSequence
+from kvq_torch_bridge._dtypes import BITS, from_numpy, meta, to_numpy, torch_dtype
 from kvq_torch_bridge._numerics import add_in_dtype, subtract_in_dtype
 from kvq_torch_bridge.packed import PackedKV, register_pytree
 from kvq_torch_bridge.paged import pack_paged, unpack_paged
@@ -35,10 +38,15 @@ __all__ = [
     "PagedKVCache",
     "append",
     "check_append",
+    "check_fork",
     "decode_pages",
+    "fork",
     "gather",
+    "gather_batch",
     "init_cache",
     "read_batch",
+    "swap_in",
+    "swap_out",
 ]
 
 _DATA_FIELDS = (
@@ -51,6 +59,8 @@ _DATA_FIELDS = (
     "k_sink",
     "v_sink",
     "seq_lens",
+    "depth",
+    "stage_exited",
 )
 
 
@@ -67,6 +77,8 @@ class PagedKVCache:
     k_sink: Any
     v_sink: Any
     seq_lens: Any
+    depth: Any = None
+    stage_exited: Any = None
     config: PagedCacheConfig
 
     @property
@@ -127,6 +139,14 @@ def init_cache(config: PagedCacheConfig, device=None) -> PagedKVCache:
         k_sink=sink(),
         v_sink=sink(),
         seq_lens=torch.zeros((c.num_loops, c.max_seqs), dtype=torch.int32, device=device),
+        depth=torch.zeros((c.num_pages, c.page_size), dtype=torch.uint8, device=device)
+        if c.adaptive_exit
+        else None,
+        stage_exited=torch.zeros(
+            (c.num_loops, c.max_seqs, c.page_size), dtype=torch.bool, device=device
+        )
+        if c.adaptive_exit
+        else None,
         config=c,
     )
 
@@ -153,13 +173,15 @@ def _host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def check_append(cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int) -> None:
+def check_append(
+    cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int, exited=None
+) -> None:
     """Host-side data checks of an `append` call (`kvq_jax.core.checks.host_check_append`, the
     JAX cache's checks and messages) on host copies of seq_lens, block_tables and seq_ids (a
     device->host transfer; `append` itself never syncs). k and v are checked by shape only."""
     config = _check_cache(cache)
     _, n = checks.check_append_args(
-        config, meta(k), meta(v), meta(block_tables), meta(seq_ids), loop
+        config, meta(k), meta(v), meta(block_tables), meta(seq_ids), loop, meta(exited)
     )
     checks.host_check_append(
         config, _host(cache.seq_lens), n, _host(block_tables), _host(seq_ids), loop
@@ -182,22 +204,27 @@ def _fill_index(ids: torch.Tensor, size: int):
     return ids.clamp(0, max(size - 1, 0)), valid
 
 
-def _drop_index(ids: torch.Tensor, size: int) -> torch.Tensor:
-    """Index for a `mode="drop"` set along an axis of `size`: out-of-range ids -> `size`, the
-    spare row `_scatter_drop` cuts off."""
-    ids = _normalize(ids, size)
-    return torch.where((ids >= 0) & (ids < size), ids, size)
-
-
-def _scatter_drop(a: torch.Tensor, index: torch.Tensor, values: torch.Tensor, dim: int = 0):
-    """A new tensor: `a` with a[..., index[i], ...] = values[i] along `dim` (index from
-    `_drop_index`; entries equal to a.shape[dim] are dropped)."""
-    spare = list(a.shape)
-    spare[dim] = 1
-    padded = torch.cat([a, a.new_zeros(spare)], dim=dim)
-    prefix = (slice(None),) * dim
-    padded[(*prefix, index)] = values.to(a.dtype)
-    return padded.narrow(dim, 0, a.shape[dim])
+def _put_(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """dst[index[i]] = values[i] along dim 0, in place, dropping out-of-range indices (JAX's
+    `mode="drop"`, negative ids wrapped once) without a host sync: a dropped write is
+    redirected to repeat the first kept one (or, when none is kept, to rewrite row 0 with
+    itself), so every row written receives a single value and `index_copy_` is deterministic
+    (kept indices are distinct: `check_append`)."""
+    if index.numel() == 0:
+        return
+    # The integer view of the same bytes: index_copy_ / where exist for every width (not for
+    # float8 on CPU), and a view writes into dst's own storage.
+    bits = BITS[dst.element_size()] if dst.dtype != torch.bool else torch.bool
+    dst, values = dst.view(bits), values.to(dst.dtype).view(bits)
+    index = _normalize(index.reshape(-1), dst.shape[0])
+    keep = (index >= 0) & (index < dst.shape[0])
+    first = torch.argmax(keep.to(torch.uint8))
+    any_kept = keep.any()
+    spare_index = torch.where(any_kept, index[first], 0)
+    spare_value = torch.where(any_kept, values[first], dst[0])
+    mask = keep.reshape(-1, *([1] * (values.ndim - 1)))
+    index = torch.where(keep, index, spare_index)
+    dst.index_copy_(0, index, torch.where(mask, values, spare_value))
 
 
 def _fill_get(a: torch.Tensor, ids: torch.Tensor, fill=0) -> torch.Tensor:
@@ -218,44 +245,52 @@ def _map_packed(packed: PackedKV, fn) -> PackedKV:
 @torch.no_grad()
 def decode_pages(cache: PagedKVCache, kind: str, pages, *, loop: int) -> torch.Tensor:
     """Loop `loop` of physical pages `pages` (int [N], in range), through the residual chain:
-    [N, page_size, H, D] in the cache dtype (reference path)."""
+    [N, page_size, H, D] in the cache dtype (reference path; an adaptive-exit cache skips the
+    deltas of rows past their `depth`)."""
     config = _check_cache(cache)
     loop = checks.check_loop_index(loop, config.num_loops)
     base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
     pages = _index_tensor(pages, cache.device).to(torch.int64)
     recon = unpack_paged(_map_packed(base, lambda a: a[pages]))
+    depth = None if cache.depth is None else cache.depth[pages][:, :, None, None]
     for r in range(loop):
-        recon = add_in_dtype(recon, unpack_paged(_map_packed(delta, lambda a, r=r: a[r][pages])))
+        step = add_in_dtype(recon, unpack_paged(_map_packed(delta, lambda a, r=r: a[r][pages])))
+        recon = step if depth is None else torch.where(depth >= r + 1, step, recon)
     return recon
 
 
 # -- append -----------------------------------------------------------------------------------
 
 
-def _append_one(cache, kind, new, start, tables, seq_ids, loop):
-    """The update of one of K / V; returns (packed store, staging [S, ...], sink [S, ...])."""
-    config = cache.config
-    ps, h, d, num_pages = config.page_size, config.num_heads, config.head_dim, config.num_pages
-    b, n = new.shape[:2]
-    device = new.device
-    complete_max = -(-n // ps)  # an append of n tokens completes at most ceil(n / ps) pages
-    off = start % ps  # [B] fill of the partial page before the call
-    fill = off + n  # rows of the buffer holding data
+def _buffer(old: torch.Tensor, new: torch.Tensor, off: torch.Tensor, num_complete: int):
+    """Per sequence: its old partial page [ps, ...] then the new rows [n, ...] at row `off`,
+    as num_complete + 1 pages: [B, C + 1, ps, ...]."""
+    b, ps, rest = old.shape[0], old.shape[1], old.shape[2:]
+    n = new.shape[1]
+    buf = new.new_zeros((b, (num_complete + 1) * ps, *rest))
+    buf[:, :ps] = old
+    rows_at = off[:, None] + torch.arange(n, device=new.device)[None]  # [B, n]
+    buf[torch.arange(b, device=new.device)[:, None], rows_at] = new
+    return buf.reshape(b, num_complete + 1, ps, *rest)
 
-    prefix = "k" if kind == "key" else "v"
-    stage = getattr(cache, f"{prefix}_stage")[loop]  # [S, ps, H, D]
-    sink = getattr(cache, f"{prefix}_sink")[loop]  # [S, sink, H, D]
-    slots = _drop_index(seq_ids, config.max_seqs)
 
-    # Per sequence a buffer of (C + 1) pages: the old partial page, then the new rows at `off`.
-    buf = new.new_zeros((b, (complete_max + 1) * ps, h, d))
-    buf[:, :ps] = _fill_get(stage, seq_ids)
-    rows_at = off[:, None] + torch.arange(n, device=device)[None]  # [B, n]
-    buf[torch.arange(b, device=device)[:, None], rows_at] = new
-    buf = buf.reshape(b, complete_max + 1, ps, h, d)
+def _last_page(buf: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """The buffer page holding row `fill`, rows past fill % ps zeroed: the new partial page."""
+    b, ps = buf.shape[0], buf.shape[2]
+    last = buf[torch.arange(b, device=buf.device), fill // ps]  # [B, ps, ...]
+    keep = torch.arange(ps, device=buf.device)[None] < (fill % ps)[:, None]
+    keep = keep.reshape(*keep.shape, *([1] * (last.ndim - 2)))
+    return torch.where(keep, last, torch.zeros((), dtype=last.dtype, device=buf.device))
 
-    # Pages completed by this call: buffer page j, logical page start // ps + j.
-    j = torch.arange(complete_max, device=device)
+
+def _plan(config, start, n, tables, seq_ids):
+    """(off [B], fill [B], target [B * C], C): where one append's rows go (`kvq_jax`'s)."""
+    ps, num_pages = config.page_size, config.num_pages
+    device = start.device
+    c = -(-n // ps)
+    off = start % ps
+    fill = off + n
+    j = torch.arange(c, device=device)
     complete = (j[None] + 1) * ps <= fill[:, None]  # [B, C]
     logical = (start // ps)[:, None] + j[None]
     seq_index, seq_valid = _fill_index(seq_ids, tables.shape[0])
@@ -263,91 +298,87 @@ def _append_one(cache, kind, new, start, tables, seq_ids, loop):
     phys = tables[seq_index[:, None], logical.clamp(max=tables.shape[1] - 1)].to(torch.int64)
     phys = torch.where(in_table, phys, -1)
     valid = complete & (phys >= 0) & (phys < num_pages)
-    target = torch.where(valid, phys, num_pages).reshape(-1)  # num_pages: dropped
-    pages = buf[:, :complete_max].reshape(b * complete_max, ps, h, d)
+    return off, fill, torch.where(valid, phys, num_pages).reshape(-1), c
 
+
+def _store_pages(cache, kind, pages, exited_rows, target, loop):
+    """Quantize completed pages [B * C, ps, H, D] into K or V's packed store, in place."""
+    config = cache.config
+    prefix = "k" if kind == "key" else "v"
     if loop == 0:
         packed = pack_paged(pages, **config.pack_args(kind, "base"))
         store = getattr(cache, f"{prefix}_base")
-        store = dataclasses.replace(
-            store,
-            **{
-                name: _scatter_drop(a, target, packed.arrays[name])
-                for name, a in store.arrays.items()
-            },
+        for name, a in store.arrays.items():
+            _put_(a, target, packed.arrays[name])
+        return
+    previous = decode_pages(cache, kind, target.clamp(0, config.num_pages - 1), loop=loop - 1)
+    delta = subtract_in_dtype(pages, previous)
+    if exited_rows is not None:
+        delta = torch.where(
+            exited_rows[:, :, None, None], torch.zeros((), dtype=delta.dtype), delta
         )
-    else:
-        previous = decode_pages(cache, kind, target.clamp(0, num_pages - 1), loop=loop - 1)
-        packed = pack_paged(
-            subtract_in_dtype(pages, previous), **config.pack_args(kind, "residual")
-        )
-        store = getattr(cache, f"{prefix}_delta")
-        plane = loop - 1
-
-        def update(name, a):
-            return _replace_plane(a, plane, _scatter_drop(a[plane], target, packed.arrays[name]))
-
-        store = dataclasses.replace(
-            store, **{name: update(name, a) for name, a in store.arrays.items()}
-        )
-
-    # New partial page: buffer page fill // ps, rows past fill % ps zeroed.
-    last = buf[torch.arange(b, device=device), fill // ps]  # [B, ps, H, D]
-    keep = torch.arange(ps, device=device)[None, :, None, None] < (fill % ps)[:, None, None, None]
-    new_stage = torch.where(keep, last, torch.zeros((), dtype=new.dtype, device=device))
-    stage = _scatter_drop(stage, slots, new_stage)
-
-    # Sink rows: position i < sink takes new token i - start when it is in this call.
-    if config.sink:
-        idx = torch.arange(config.sink, device=device)[None] - start[:, None]  # [B, sink]
-        in_call = (idx >= 0) & (idx < n)
-        taken = new[torch.arange(b, device=device)[:, None], idx.clamp(0, n - 1)]
-        old_sink = _fill_get(sink, seq_ids)
-        sink = _scatter_drop(sink, slots, torch.where(in_call[:, :, None, None], taken, old_sink))
-    return store, stage, sink
-
-
-def _replace_plane(a: torch.Tensor, plane: int, value: torch.Tensor) -> torch.Tensor:
-    return torch.cat([a[:plane], value[None], a[plane + 1 :]])
+    packed = pack_paged(delta, **config.pack_args(kind, "residual"))
+    store = getattr(cache, f"{prefix}_delta")
+    for name, a in store.arrays.items():
+        _put_(a[loop - 1], target, packed.arrays[name])
 
 
 @torch.no_grad()
-def append(cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int) -> PagedKVCache:
-    """Append `n` tokens to each of `B` sequences in loop `loop`; returns the new cache (the
-    bytes of `kvq_jax.paged_cache.append`; see it for the arguments and semantics).
+def append(
+    cache: PagedKVCache, k, v, *, block_tables, seq_ids, loop: int, exited=None
+) -> PagedKVCache:
+    """Append `n` tokens to each of `B` sequences in loop `loop`, in place; returns `cache`
+    (the bytes of `kvq_jax.paged_cache.append`; see it for the arguments and semantics).
 
     k, v: torch [B, n, H, D] in the cache dtype on the cache's device; block_tables int32
     [max_seqs, max_pages_per_seq] and seq_ids int32 [B] (torch tensors, or numpy arrays copied
-    to the cache's device). Shape/dtype errors raise here; data errors (full sequence, bad page
-    or slot ids: their writes are dropped, loop l - 1 not ready) are caught by `check_append`.
+    to the cache's device); exited: None or bool [B, n] (adaptive-exit caches, loop > 0).
+    Shape/dtype errors raise here; data errors (full sequence, bad page or slot ids: their
+    writes are dropped, loop l - 1 not ready) are caught by `check_append`.
     """
     config = _check_cache(cache)
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    checks.check_append_args(config, meta(k), meta(v), meta(block_tables), meta(seq_ids), loop)
+    checks.check_append_args(
+        config, meta(k), meta(v), meta(block_tables), meta(seq_ids), loop, meta(exited)
+    )
     device = cache.device
     k, v = k.to(device), v.to(device)
     seq_ids, tables = _index_tensor(seq_ids, device), _index_tensor(block_tables, device)
+    b, n = k.shape[:2]
     start = _fill_get(cache.seq_lens[loop], seq_ids).to(torch.int64)
-    k_store, k_stage, k_sink = _append_one(cache, "key", k, start, tables, seq_ids, loop)
-    v_store, v_stage, v_sink = _append_one(cache, "value", v, start, tables, seq_ids, loop)
-    slots = _drop_index(seq_ids, config.max_seqs)
-    lens_row = _scatter_drop(cache.seq_lens[loop], slots, start + k.shape[1])
-    store = (
-        dict(k_base=k_store, v_base=v_store)
-        if loop == 0
-        else dict(k_delta=k_store, v_delta=v_store)
-    )
-    return dataclasses.replace(
-        cache,
-        **store,
-        k_stage=_replace_plane(cache.k_stage, loop, k_stage),
-        v_stage=_replace_plane(cache.v_stage, loop, v_stage),
-        k_sink=_replace_plane(cache.k_sink, loop, k_sink),
-        v_sink=_replace_plane(cache.v_sink, loop, v_sink),
-        seq_lens=_replace_plane(cache.seq_lens, loop, lens_row),
-    )
+    off, fill, target, c = _plan(config, start, n, tables, seq_ids)
+    ps = config.page_size
+
+    exited_rows = None
+    if config.adaptive_exit:
+        new = torch.zeros((b, n), dtype=torch.bool, device=device)
+        if exited is not None:
+            new = _index_tensor(exited, device).to(torch.bool)
+        buf = _buffer(_fill_get(cache.stage_exited[loop], seq_ids, False), new, off, c)
+        rows = buf[:, :c].reshape(b * c, ps)
+        exited_rows = rows if loop else None
+        depth = _fill_get(cache.depth, target)
+        fresh = torch.full_like(depth, config.num_loops - 1) if loop == 0 else depth
+        cap = torch.full_like(depth, max(loop - 1, 0))
+        _put_(cache.depth, target, torch.where(rows, torch.minimum(fresh, cap), fresh))
+        _put_(cache.stage_exited[loop], seq_ids, _last_page(buf, fill))
+
+    for kind, prefix, new in (("key", "k", k), ("value", "v", v)):
+        stage = getattr(cache, f"{prefix}_stage")[loop]  # [S, ps, H, D], a view
+        buf = _buffer(_fill_get(stage, seq_ids), new, off, c)
+        pages = buf[:, :c].reshape(b * c, *config.page_shape)
+        _store_pages(cache, kind, pages, exited_rows, target, loop)
+        _put_(stage, seq_ids, _last_page(buf, fill))
+        if config.sink:  # position i < sink takes new token i - start when it is in the call
+            sink = getattr(cache, f"{prefix}_sink")[loop]
+            idx = torch.arange(config.sink, device=device)[None] - start[:, None]  # [B, sink]
+            in_call = ((idx >= 0) & (idx < n))[:, :, None, None]
+            taken = new[torch.arange(b, device=device)[:, None], idx.clamp(0, n - 1)]
+            _put_(sink, seq_ids, torch.where(in_call, taken, _fill_get(sink, seq_ids)))
+    _put_(cache.seq_lens[loop], seq_ids, (start + n).to(torch.int32))
+    return cache
 
 
 # -- reconstruction ---------------------------------------------------------------------------
@@ -422,3 +453,119 @@ def gather(cache: PagedKVCache, *, seq_id, seq_len: int, block_table, loop: int)
         max_pages=max_pages,
     )
     return k[0, :seq_len], v[0, :seq_len]
+
+
+# -- sequences: fork, swap ---------------------------------------------------------------------
+
+
+def check_fork(cache: PagedKVCache, *, parent: int, child: int, num_tokens: int) -> None:
+    """Host-side checks of a `fork` (`kvq_jax.paged_cache.check_fork`'s, on a host copy of
+    seq_lens)."""
+    _check_cache(cache)
+    checks.host_check_fork(cache.config, _host(cache.seq_lens), parent, child, num_tokens)
+
+
+@torch.no_grad()
+def fork(cache: PagedKVCache, *, parent: int, child: int, num_tokens: int) -> PagedKVCache:
+    """Start sequence `child` on the first `num_tokens` tokens of `parent`, in place (the
+    bytes of `kvq_jax.paged_cache.fork`); returns `cache`."""
+    config = _check_cache(cache)
+    ps = config.page_size
+    device = cache.device
+    for name in ("k_stage", "v_stage", "k_sink", "v_sink", "stage_exited"):
+        a = getattr(cache, name)
+        if a is None:
+            continue
+        rows = a[:, parent].clone()
+        limit = num_tokens % ps if name != "k_sink" and name != "v_sink" else num_tokens
+        keep = torch.arange(rows.shape[1], device=device) < limit
+        keep = keep.reshape(1, -1, *([1] * (rows.ndim - 2)))
+        a[:, child] = torch.where(keep, rows, torch.zeros((), dtype=a.dtype, device=device))
+    cache.seq_lens[:, child] = num_tokens
+    return cache
+
+
+@torch.no_grad()
+def swap_out(cache: PagedKVCache, *, slot: int, pages) -> HostSequence:
+    """Copy sequence `slot` (its physical `pages` in logical order, every loop plane, its
+    staging and sink rows and lengths) to host memory (`kvq_jax.paged_cache.swap_out`)."""
+    config = _check_cache(cache)
+    index = _index_tensor(np.asarray(pages, np.int32), cache.device).to(torch.int64)
+    arrays = {}
+    for plane in ("k_base", "v_base", "k_delta", "v_delta"):
+        packed = getattr(cache, plane)
+        if packed is None:
+            continue
+        dim = 0 if plane.endswith("base") else 1
+        for field, a in packed.arrays.items():
+            arrays[f"{plane}.{field}"] = a.index_select(dim, index)
+    for name in _ROW_FIELDS:
+        a = getattr(cache, name)
+        if a is not None:
+            arrays[name] = a[:, slot]
+    if cache.depth is not None:
+        arrays["depth"] = cache.depth.index_select(0, index)
+    return HostSequence(config=config, arrays={k: to_numpy(a) for k, a in arrays.items()})
+
+
+@torch.no_grad()
+def swap_in(cache: PagedKVCache, sequence: HostSequence, *, slot: int, pages) -> PagedKVCache:
+    """Write a swapped-out sequence (from either stack) into slot `slot` and physical `pages`,
+    in place, byte for byte (`kvq_jax.paged_cache.swap_in`); returns `cache`."""
+    config = _check_cache(cache)
+    pages = checks.check_swap_in(config, sequence, slot, pages)
+    device = cache.device
+    index = torch.from_numpy(pages.astype(np.int64)).to(device)
+
+    def tensor(name):
+        return from_numpy(sequence.arrays[name], device)
+
+    for plane in ("k_base", "v_base", "k_delta", "v_delta"):
+        packed = getattr(cache, plane)
+        if packed is None:
+            continue
+        dim = 0 if plane.endswith("base") else 1
+        for field, a in packed.arrays.items():
+            _index_copy_(a, dim, index, tensor(f"{plane}.{field}"))
+    for name in _ROW_FIELDS:
+        a = getattr(cache, name)
+        if a is not None:
+            a[:, slot] = tensor(name)
+    if cache.depth is not None:
+        _index_copy_(cache.depth, 0, index, tensor("depth"))
+    return cache
+
+
+def _index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
+    """dst.index_copy_ through the integer view of the same bytes (float8 has none on CPU)."""
+    bits = BITS[dst.element_size()] if dst.dtype != torch.bool else torch.bool
+    dst.view(bits).index_copy_(dim, index, values.to(dst.dtype).view(bits))
+
+
+_ROW_FIELDS = ("k_stage", "v_stage", "k_sink", "v_sink", "seq_lens", "stage_exited")
+
+
+@torch.no_grad()
+def gather_batch(cache: PagedKVCache, block_tables, seq_lens, *, loop: int, seq_ids=None):
+    """Reconstructed K, V of a batch: [B, max_pages_per_seq * page_size, H, D] each, rows
+    >= seq_lens[b] zero (`kvq_jax.paged_cache.gather_batch`, the same bits)."""
+    config = _check_cache(cache)
+    loop = checks.check_loop_index(loop, config.num_loops)
+    checks.check_block_tables(config, meta(block_tables))
+    b = checks.check_batch(config, meta(seq_lens), meta(seq_ids))
+    return batch_rows(cache, block_tables, seq_lens, seq_ids, b, loop)
+
+
+def batch_rows(cache, block_tables, seq_lens, seq_ids, b: int, loop: int):
+    """`gather_batch` for validated arguments (B = b)."""
+    device = cache.device
+    if seq_ids is None:
+        seq_ids = torch.arange(b, dtype=torch.int32, device=device)
+    seq_ids, tables = _index_tensor(seq_ids, device), _index_tensor(block_tables, device)
+    # tables.at[seq].get(mode="fill", fill_value=-1): out-of-range slots read page -1.
+    index, valid = _fill_index(seq_ids, cache.config.max_seqs)
+    rows = torch.where(valid[:, None], tables[index], torch.full_like(tables[index], -1))
+    return read_batch(
+        cache, seq_ids=seq_ids, lengths=_index_tensor(seq_lens, device), table_rows=rows,
+        loop=loop, max_pages=tables.shape[1],
+    )  # fmt: skip

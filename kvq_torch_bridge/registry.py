@@ -13,7 +13,7 @@ from kvq_torch_bridge.formats import fp8_e4m3, int4, nvfp4
 
 __all__ = ["CODECS", "get_codec", "register_codec", "unregister_codec"]
 
-CODECS = Registry(Codec, "kvq_torch_bridge")
+CODECS = Registry(Codec, "kvq_torch_bridge Codec")
 
 
 #: The registry's methods under their public names (see `Registry` for the contracts).

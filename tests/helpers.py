@@ -69,31 +69,14 @@ def assert_trees_same_bytes(a, b, what: str = "tree") -> None:
 
 
 def torch_to_numpy(tensor) -> np.ndarray:
-    """A torch tensor (any device, any layout) -> numpy array of the same dtype and bytes.
+    """A torch tensor (any device, any layout) -> numpy array of the same dtype and bytes."""
+    from kvq_torch_bridge._dtypes import to_numpy
 
-    numpy has no bfloat16 / float8: the tensor is viewed as unsigned integers of its width,
-    copied to the host and viewed back as the ml_dtypes type (np.dtype(ml_dtypes.bfloat16),
-    np.dtype(ml_dtypes.float8_e4m3fn), ...).
-    """
-    import torch
-
-    from kvq_torch_bridge._dtypes import NUMPY_DTYPE
-
-    dtype = NUMPY_DTYPE[tensor.dtype]
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    raw = tensor.detach().cpu().contiguous()
-    if tensor.dtype != torch.bool:
-        raw = raw.view(bits[tensor.element_size()])
-    return raw.numpy().view(dtype)
+    return to_numpy(tensor)
 
 
 def numpy_to_torch(array, device="cpu"):
     """A numpy array (ml_dtypes bfloat16 / float8 included) -> torch tensor with its bytes."""
-    import torch
+    from kvq_torch_bridge._dtypes import from_numpy
 
-    from kvq_torch_bridge._dtypes import TORCH_DTYPE
-
-    a = np.ascontiguousarray(np.asarray(array))
-    bits = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-    raw = a if a.dtype == np.bool_ else a.view(bits[a.dtype.itemsize])
-    return torch.from_numpy(raw.copy()).view(TORCH_DTYPE[a.dtype]).to(device)
+    return from_numpy(np.asarray(array), device)

@@ -392,7 +392,8 @@ def test_check_append_data_errors():
     capacity = tables.shape[1] * config.page_size
     one = np.array([0], np.int32)
     full = jnp.ones((1, capacity, H, D), jnp.float32)
-    filled_cache = append(cache, full, full, block_tables=tables, seq_ids=one, loop=0)
+    filled_cache = append(cache, full, full, block_tables=tables, seq_ids=one, loop=0,
+                          donate=False)  # fmt: skip
     tok = jnp.ones((1, 1, H, D), jnp.float32)
     with pytest.raises(ValueError, match="sequence 0 is full"):
         check_append(filled_cache, tok, tok, block_tables=tables, seq_ids=one, loop=0)

@@ -173,7 +173,7 @@ def test_paged_attention_equals_jax_and_dense(name, device):
         out = tpa.paged_decode_attention(tq, cache, ttables, lens, loop=loop)
         assert out.dtype == torch.float32 and out.shape == (S, 2 * H, D)
         assert out.device.type == device
-        kr, vr = tpa.gather_batch(cache, ttables, lens, loop=loop)
+        kr, vr = tpc.gather_batch(cache, ttables, lens, loop=loop)
         dense = ktb.dense_decode_attention(tq, kr, vr, lens)
         assert_same_bytes(torch_to_numpy(out), torch_to_numpy(dense), "paged vs dense")
         if loop == L - 1:  # the deepest residual chain (JAX compiles per loop: one is enough)

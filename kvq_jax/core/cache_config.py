@@ -49,7 +49,9 @@ class PagedCacheConfig:
     channels, L = num_loops loop planes, S = max_seqs sequence slots, `sink` raw rows per
     sequence. Group sizes of None take the `resolve_paged` defaults; the residual formats use
     the base's group size when they share its format, else their own default (as
-    `encode_loops`). Token-axis groups must divide page_size.
+    `encode_loops`). Token-axis groups must divide page_size. `adaptive_exit` adds the
+    per-row exit record of early-exiting tokens (`kvq_jax.paged_cache`; 1 byte per token
+    and page row, plus a bool per staging row): served by the XLA path.
     """
 
     num_pages: int
@@ -66,6 +68,7 @@ class PagedCacheConfig:
     v_group_size: int | None = None
     sink: int = 0
     max_seqs: int = 1
+    adaptive_exit: bool = False
 
     def __post_init__(self):
         for name in (*_INT_FIELDS, "sink"):
@@ -74,6 +77,12 @@ class PagedCacheConfig:
             if not is_int(value) or value < low:
                 raise ValueError(f"PagedCacheConfig.{name} must be an int >= {low}, got {value!r}")
         object.__setattr__(self, "dtype", check_float_dtype(self.dtype, "PagedCacheConfig.dtype"))
+        if not isinstance(self.adaptive_exit, bool):
+            raise ValueError(
+                f"PagedCacheConfig.adaptive_exit must be a bool, got {self.adaptive_exit!r}"
+            )
+        if self.num_loops > 255:
+            raise ValueError(f"PagedCacheConfig.num_loops must be <= 255, got {self.num_loops}")
         for name in _FORMAT_FIELDS:
             try:
                 registry.layout(getattr(self, name))

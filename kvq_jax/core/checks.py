@@ -189,7 +189,7 @@ def check_block_tables(config, block_tables) -> int:
     return max_pages
 
 
-def check_append_args(config, k, v, block_tables, seq_ids, loop) -> tuple[int, int]:
+def check_append_args(config, k, v, block_tables, seq_ids, loop, exited=None) -> tuple[int, int]:
     """Shapes, dtypes and static values of an `append` call; returns (B, n)."""
     check_loop_index(loop, config.num_loops)
     for name, x in (("k", k), ("v", v)):
@@ -219,6 +219,16 @@ def check_append_args(config, k, v, block_tables, seq_ids, loop) -> tuple[int, i
             f"n = {n} tokens exceed the block table's capacity of "
             f"{max_pages} pages x {config.page_size} tokens per sequence"
         )
+    if exited is not None:
+        if not config.adaptive_exit:
+            raise ValueError("exited needs a cache with PagedCacheConfig(adaptive_exit=True)")
+        if loop == 0:
+            raise ValueError("exited must be None at loop 0 (a token exits after a loop)")
+        if tuple(np.shape(exited)) != (b, n) or np.dtype(exited.dtype) != np.bool_:
+            raise ValueError(
+                f"exited must be bool [B, n] = [{b}, {n}], got "
+                f"{np.dtype(exited.dtype)}{list(np.shape(exited))}"
+            )
     return b, n
 
 
@@ -365,3 +375,51 @@ def resolve_loop_args(
         _loop_positions(positions, shape[0] - 1),
         check_window(window),
     )
+
+
+def host_check_fork(config, seq_lens, parent, child, num_tokens) -> None:
+    """Data checks of a `fork` on a host copy of seq_lens [L, S]: distinct slots in range,
+    num_tokens within the parent's length in every loop, and a partial last page that is the
+    parent's current partial page (its raw rows are what the child copies); otherwise fork a
+    page-aligned prefix and append the rest."""
+    for name, slot in (("parent", parent), ("child", child)):
+        if not is_int(slot) or not 0 <= slot < config.max_seqs:
+            raise ValueError(f"{name} must be a slot in [0, {config.max_seqs}), got {slot!r}")
+    if parent == child:
+        raise ValueError(f"fork: parent and child are the same slot {parent}")
+    lens = np.asarray(seq_lens)[:, parent]
+    if not is_int(num_tokens) or not 0 <= num_tokens <= lens.min():
+        raise ValueError(
+            f"fork: num_tokens = {num_tokens!r} must lie in [0, {int(lens.min())}] (sequence "
+            f"{parent} holds {lens.tolist()} tokens per loop)"
+        )
+    ps = config.page_size
+    if num_tokens % ps and (lens // ps != num_tokens // ps).any():
+        raise ValueError(
+            f"fork: the first {num_tokens} tokens end inside page {num_tokens // ps}, which is "
+            f"already quantized in sequence {parent}: fork {num_tokens // ps * ps} tokens "
+            f"and append the rest"
+        )
+
+
+def check_swap_in(config, sequence, slot, pages) -> np.ndarray:
+    """A `HostSequence` of this configuration, a slot in range and one distinct in-range
+    physical page per page it holds; returns the pages as int32."""
+    from_config = getattr(sequence, "config", None)
+    if from_config is None or not hasattr(sequence, "arrays"):
+        raise TypeError(f"sequence must be a HostSequence, got {type(sequence).__name__}")
+    if from_config != config:
+        raise ValueError("sequence was swapped out of a cache with another configuration")
+    pages = np.asarray(pages)
+    if pages.dtype.kind not in "iu" or pages.shape != (sequence.num_pages,):
+        raise ValueError(
+            f"pages must be {sequence.num_pages} integer page ids (one per page the sequence "
+            f"holds), got {pages.dtype}{list(pages.shape)}"
+        )
+    if pages.size and (pages.min() < 0 or pages.max() >= config.num_pages):
+        raise ValueError(f"pages must lie in [0, {config.num_pages}), got {pages.tolist()}")
+    if len(set(pages.tolist())) != pages.size:
+        raise ValueError(f"pages must be distinct, got {pages.tolist()}")
+    if not is_int(slot) or not 0 <= slot < config.max_seqs:
+        raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
+    return pages.astype(np.int32)

@@ -23,12 +23,12 @@ _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 def check_float_dtype(dtype, name: str) -> np.dtype:
     """Return `dtype` as a numpy dtype, or raise TypeError naming argument `name`."""
-    allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
     try:
         dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{name} must have dtype in ({allowed}), got {dtype}") from None
+    except TypeError as e:
+        raise TypeError(f"{name}: {dtype!r} is not a dtype") from e
     if dt not in FLOAT_DTYPES:
+        allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {dt}")
     return dt
 

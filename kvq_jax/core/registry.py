@@ -22,15 +22,17 @@ class Registry(Mapping):
     `unregister` (refused names and types raise, leaving it unchanged).
 
     codec_type: the class every codec of this stack derives from.
-    stack: the stack's package name, for messages.
+    type_name: how messages name that class ("kvq_jax.Codec", ...).
     on_change: called after a codec is replaced or removed (JAX drops compiled programs that
       looked the old codec up while tracing).
     """
 
-    def __init__(self, codec_type: type, stack: str, on_change: Callable[[], None] | None = None):
+    def __init__(
+        self, codec_type: type, type_name: str, on_change: Callable[[], None] | None = None
+    ):
         self._codecs: dict[str, FormatLayout] = {}
         self.codec_type = codec_type
-        self.stack = stack
+        self.type_name = type_name
         self._on_change = on_change
         _REGISTRIES.append(self)
 
@@ -46,10 +48,7 @@ class Registry(Mapping):
     def register(self, codec, *, replace: bool = False):
         """Add `codec` under `codec.name`; refuses to shadow a name unless `replace`."""
         if not isinstance(codec, self.codec_type):
-            raise TypeError(
-                f"codec must be a {self.stack} {self.codec_type.__name__}, "
-                f"got {type(codec).__name__}"
-            )
+            raise TypeError(f"codec must be a {self.type_name}, got {type(codec).__name__}")
         name = getattr(codec, "name", None)
         if not isinstance(name, str) or not name:
             raise ValueError(f"codec.name must be a non-empty str, got {name!r}")

@@ -181,7 +181,7 @@ class PagePackBase:
                 assert_same_bytes(staged, kv[:, kv_index, seq, 32:40], f"{kind} staging")
             for page in (4, 5):
                 for leaf in jax.tree.leaves(jax.tree.map(lambda a, p=page: a[p], stored_base)):
-                    assert not np.asarray(leaf).view(np.uint8).any(), "unwritten page"
+                    assert not np.asarray(leaf).reshape(-1).view(np.uint8).any(), "unwritten page"
 
 
 class TestXLA(PagePackBase):

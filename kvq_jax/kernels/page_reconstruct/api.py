@@ -47,6 +47,8 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
         return f"head_dim {d} is not a power of two >= 2"
     if ps * d > MAX_TILE_ELEMENTS:
         return f"page_size * head_dim = {ps * d} exceeds {MAX_TILE_ELEMENTS} elements per tile"
+    if config.adaptive_exit:
+        return "adaptive-exit caches (their depth map) are served by the XLA path"
     levels = ("base", "residual") if config.num_loops > 1 else ("base",)
     for level in levels:
         args = config.pack_args(kind, level)
@@ -110,11 +112,10 @@ def dispatch(cache, kind: str, pages, *, loop: int, backend: str):
     impl = resolve_backend(backend, config_support(cache.config, kind))
     base, delta = planes(cache, kind)
     if impl == "xla":
-        return xla.decode_pages(base, delta, pages, loop=loop)
+        return xla.decode_pages(base, delta, pages, loop=loop, depth=cache.depth)
     return _batchable(loop, impl == "pallas_interpret")(base, delta if loop else None, pages)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "loop", "backend"))
 def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto"):
     """Loop `loop` of physical pages `pages` of `cache`: [N, page_size, H, D], cache dtype.
 
@@ -130,6 +131,13 @@ def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto"):
     Each page is its base decoded, then loop by loop its delta decoded and added in the cache
     dtype (`decode_residual`); every backend gives the same bytes (decoded NaNs as NaN).
     """
+    check_cache(cache)  # before jit flattens it: a clear error for a non-cache
+    return _decode_pages(cache, kind, pages, loop=loop, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "loop", "backend"))
+def _decode_pages(cache, kind: str, pages, *, loop: int, backend: str):
+    """The jitted body of `decode_pages`."""
     config = check_cache(cache)
     loop = checks.check_loop_index(loop, config.num_loops)
     check_kind(kind)

@@ -48,6 +48,8 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None) ->
     del block_tables, loop
     config = cache.config
     d, ps = config.head_dim, config.page_size
+    if config.adaptive_exit:
+        return "cache.config.adaptive_exit: the depth map is served by the XLA path"
     if d not in HEAD_DIMS:
         return f"cache.config.head_dim = {d} is not supported (kernel takes {HEAD_DIMS})"
     if ps not in PAGE_SIZES:
@@ -96,7 +98,6 @@ def choose_backend(q, cache, block_tables, *, loop: int, backend: str, num_split
     return _backend.resolve_backend(backend, support)
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "backend", "num_splits"))
 def paged_decode_attention(
     q,
     cache,
@@ -117,6 +118,17 @@ def paged_decode_attention(
     XLA path equals dense attention on the reconstructed KV (`paged_cache.gather_batch`);
     the kernel equals it to float32 round-off.
     """
+    check_cache(cache)  # before jit flattens it: a clear error for a non-cache
+    return _paged_decode_attention(
+        q, cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids, backend=backend,
+        num_splits=num_splits,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "backend", "num_splits"))
+def _paged_decode_attention(q, cache, block_tables, seq_lens, *, loop, seq_ids, backend,
+                            num_splits):  # fmt: skip
+    """The jitted body of `paged_decode_attention`."""
     config = check_cache(cache)
     b = checks.check_decode_args(config, q, block_tables, seq_lens, loop, seq_ids)
     impl = choose_backend(q, cache, block_tables, loop=loop, backend=backend, num_splits=num_splits)

@@ -18,7 +18,7 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, seq_ids, *, loop: i
 
     def decode(kind, pages):
         base, delta = cache_state.planes(cache, kind)
-        return page_xla.decode_pages(base, delta, pages, loop=loop)
+        return page_xla.decode_pages(base, delta, pages, loop=loop, depth=cache.depth)
 
     rows = cache_state.table_rows(block_tables, seq_ids)
     k, v = cache_state.read_batch(cache, rows, seq_lens, seq_ids, loop=loop, decode=decode)
