@@ -163,7 +163,7 @@ def _hf_arch(hf: Mapping) -> str:
 
 
 def _hf_rope_theta(hf: Mapping, where: str) -> float:
-    """rope_theta, refusing any rope scaling (transformers 4 `rope_scaling`, 5 `rope_parameters`)."""
+    """rope_theta; refuses rope scaling (transformers 4 `rope_scaling`, 5 `rope_parameters`)."""
     theta = hf.get("rope_theta")
     for key in ("rope_scaling", "rope_parameters"):
         rope = hf.get(key)

@@ -151,7 +151,7 @@ def build_params(
     unexpected = sorted(
         n
         for n in names - set(shapes)
-        if not n.endswith(_IGNORED_SUFFIXES) and not (n == "lm_head.weight")
+        if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"
     )
     if unexpected:
         raise ValueError(
