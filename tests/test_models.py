@@ -44,11 +44,12 @@ OURO_BF16_TOL = 1.0
 OURO_PROB_TOL = {"float32": 1e-5, "bfloat16": 0.1}
 #: tiny Llama, JAX float32 vs transformers float32 (measured 5e-7).
 TINY_LLAMA_F32_TOL = 1e-5
-#: SmolLM2 Q4_1, 64 tokens, JAX float32 vs transformers float32 (measured 1.1e-4; logits ~34).
-SMOLLM2_F32_TOL = 1e-3
-#: SmolLM2 Q4_1, JAX bfloat16 vs transformers bfloat16 (measured 0.87; transformers' own
-#: bf16-vs-f32 difference is 0.80, so this is bf16 rounding, not a model difference).
-SMOLLM2_BF16_TOL = 3.0
+#: SmolLM2 Q4_1, 64 tokens, JAX float32 vs transformers float32, logits up to ~34: max and
+#: mean |diff| (measured 1.14e-4 and 1.25e-5).
+SMOLLM2_F32_TOL = (1e-3, 1e-4)
+#: the same in bfloat16 vs transformers bfloat16 (measured 0.87 and 0.13; transformers' own
+#: bf16-vs-f32 max difference is 0.80, so this is bf16 rounding, not a model difference).
+SMOLLM2_BF16_TOL = (3.0, 0.5)
 
 OURO_HF_CONFIG = {
     "architectures": ["OuroForCausalLM"],
@@ -548,10 +549,10 @@ def smollm2_text():
 @pytest.mark.slow
 @needs_smollm2
 @pytest.mark.parametrize(
-    ("dtype", "tol", "min_agree"),
+    ("dtype", "tols", "min_agree"),
     [("float32", SMOLLM2_F32_TOL, 63), ("bfloat16", SMOLLM2_BF16_TOL, 60)],
 )
-def test_smollm2_logits_match_transformers(smollm2_text, dtype, tol, min_agree):
+def test_smollm2_logits_match_transformers(smollm2_text, dtype, tols, min_agree):
     import torch
     import transformers
 
@@ -567,9 +568,11 @@ def test_smollm2_logits_match_transformers(smollm2_text, dtype, tol, min_agree):
     with torch.no_grad():
         expected = hf(torch.tensor(smollm2_text)[None]).logits.float().numpy()
     err = np.abs(got - expected).max()
+    mean = np.abs(got - expected).mean()
     agree = int((got.argmax(-1) == expected.argmax(-1)).sum())
-    print(f"smollm2 {dtype}: max |logit diff| {err:.3g}, argmax agree {agree}/64")
-    assert err < tol, f"{dtype}: max |logit diff| {err} >= {tol}"
+    print(f"smollm2 {dtype}: |logit diff| max {err:.3g} mean {mean:.3g}, argmax {agree}/64")
+    assert err < tols[0], f"{dtype}: max |logit diff| {err} >= {tols[0]}"
+    assert mean < tols[1], f"{dtype}: mean |logit diff| {mean} >= {tols[1]}"
     assert agree >= min_agree, f"{dtype}: greedy argmax agrees on {agree}/64 positions"
 
 
