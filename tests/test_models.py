@@ -42,8 +42,9 @@ OURO_F32_TOL = 1e-4
 OURO_BF16_TOL = 1.0
 #: exit probabilities, float32 (measured 1.0e-6) and bfloat16 (measured 0.020).
 OURO_PROB_TOL = {"float32": 1e-5, "bfloat16": 0.1}
-#: tiny Llama, JAX float32 vs transformers float32 (measured 5e-7).
-TINY_LLAMA_F32_TOL = 1e-5
+#: tiny Llama (directory and GGUF), JAX float32 vs transformers float32, logits of scale ~6
+#: (measured 7.4e-6).
+TINY_LLAMA_F32_TOL = 5e-5
 #: SmolLM2 Q4_1, 64 tokens, JAX float32 vs transformers float32, logits up to ~34: max and
 #: mean |diff| (measured 1.14e-4 and 1.25e-5).
 SMOLLM2_F32_TOL = (1e-3, 1e-4)
