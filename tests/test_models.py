@@ -254,7 +254,8 @@ def test_ouro_matches_numpy_reference(tiny_ouro, dtype, tol):
     config, params = load_hf_directory(path, dtype)
     ref_tensors = tensors if dtype == "float32" else _bf16_rounded(tensors)
     threshold = _threshold_away_from_cdf(ref_tensors, tokens)
-    for thr in (threshold, 1.0):
+    high = _threshold_away_from_cdf(ref_tensors, tokens, (0.8, 0.75, 0.85, 0.7, 0.9))
+    for thr in (threshold, high, 1.0):
         out = ouro.forward(params, config, jnp.asarray(tokens), thr)
         assert out.loop_logits.shape == (3, *tokens.shape, 97)
         assert out.loop_logits.dtype == jnp.float32
@@ -266,11 +267,12 @@ def test_ouro_matches_numpy_reference(tiny_ouro, dtype, tol):
             np.testing.assert_allclose(np.asarray(out.exit_probs[b]), ref_pdf, atol=prob_tol)
             # exit decisions must agree wherever rounding cannot flip them: every position in
             # float32 (the threshold is 1e-3 away from every cumulative probability), in
-            # bfloat16 where the cumulative probabilities are 2 * prob_tol away from it
+            # bfloat16 where the cumulative probabilities are 0.05 away from it (2.5 times the
+            # measured probability error)
             exit_loop = np.asarray(out.exit_loop[b])
-            margin = (dtype != "float32") * 2 * prob_tol
+            margin = 0.0 if dtype == "float32" else 0.05
             far = (np.abs(np.cumsum(ref_pdf, -1) - thr).min(-1) > margin) | (thr >= 1.0)
-            assert far.mean() > 0.6
+            assert far.mean() > 0.5
             np.testing.assert_array_equal(exit_loop[far], ref_exit[far])
             chosen = ref_logits[exit_loop, np.arange(len(seq))]
             assert np.abs(np.asarray(out.logits[b]) - chosen).max() < tol
