@@ -334,14 +334,67 @@ def test_ouro_pieces_compose_to_forward(tiny_ouro):
     )
 
 
+def _attend_with_cache(q, k, v, start):
+    """Queries at positions start.. over cached keys 0..start+T-1 (GQA), written here."""
+    _, t, hq, d = q.shape
+    group = hq // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d)
+    visible = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(t)[:, None]
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _decode_chunk(config, params, tokens, start, caches):
+    """Run tokens [B, t] at positions start.. through the pieces; caches[loop][layer] = (k, v)
+    of the earlier positions. Returns (loop logits [N, B, t, V], the extended caches)."""
+    h = ouro.embed(params, tokens)
+    positions = jnp.arange(start, start + tokens.shape[1])
+    loop_logits, new_caches = [], []
+    for loop in range(config.num_loops):
+        new_caches.append([])
+        for i in range(config.num_layers):
+            layer = ouro.layer_params(params, i)
+            q, k, v = ouro.attention_inputs(layer, h, positions, config)
+            k = jnp.concatenate([caches[loop][i][0], k], axis=1)
+            v = jnp.concatenate([caches[loop][i][1], v], axis=1)
+            new_caches[loop].append((k, v))
+            h = ouro.attention_output(layer, h, _attend_with_cache(q, k, v, start), config)
+        h = ouro.final_norm(params, h, config)
+        loop_logits.append(ouro.logits(params, h, config))
+    return jnp.stack(loop_logits), new_caches
+
+
+def test_ouro_incremental_decode_with_per_loop_caches(tiny_ouro):
+    """An engine's use of the pieces: prefill then decode, one K/V cache per (loop, layer)
+    between attention_inputs and attention_output, equals the cache-free forward."""
+    path, _, tokens = tiny_ouro
+    config, params = load_hf_directory(path, "float32")
+    batch = tokens.shape[0]
+    empty = jnp.zeros((batch, 0, config.num_kv_heads, config.head_dim))
+    caches = [[(empty, empty)] * config.num_layers for _ in range(config.num_loops)]
+    chunks = []
+    for start, stop in [(0, 7), (7, 8)]:  # prefill 7 tokens, decode 1
+        logits, caches = _decode_chunk(config, params, tokens[:, start:stop], start, caches)
+        chunks.append(logits)
+    assert sum(len(per_loop) for per_loop in caches) == config.num_caches
+    assert caches[-1][-1][0].shape == (batch, 8, config.num_kv_heads, config.head_dim)
+    # causal: the first 8 positions of the full forward (the call compiled by the test above)
+    expected = ouro.forward(params, config, jnp.asarray(tokens), 1.0).loop_logits[:, :, :8]
+    np.testing.assert_allclose(
+        np.asarray(jnp.concatenate(chunks, axis=2)), np.asarray(expected), atol=OURO_F32_TOL
+    )
+
+
 def test_ouro_jits_with_donated_params(tiny_ouro):
     path, _, tokens = tiny_ouro
     config, params = load_hf_directory(path, "bfloat16")
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
-    expected = ouro.forward(params, config, tokens).logits
+    expected = ouro.forward(params, config, jnp.asarray(tokens), 1.0).logits
 
     def step(params, tokens):
-        return params, ouro.forward(params, config, tokens).logits
+        return params, ouro.forward(params, config, tokens, 1.0).logits
 
     donated = jax.jit(step, donate_argnums=0)
     _, got = donated(jax.tree.map(jnp.copy, params), jnp.asarray(tokens))
@@ -476,6 +529,8 @@ def test_tiny_llama_gguf_unpermutes_q_k(tiny_llama, tmp_path):
     got = np.asarray(llama.forward(params, config, jnp.asarray(tokens)))
     err = np.abs(got - expected).max()
     assert err < TINY_LLAMA_F32_TOL, f"max |logit diff| {err}"
+    model = load_model(str(gguf_path), "float32", tokenizer=False)
+    assert model.module is llama and model.source["format"].startswith("gguf")
 
 
 def test_unpermute_matches_transformers_gguf_loader():
