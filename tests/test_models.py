@@ -277,6 +277,9 @@ def test_ouro_matches_numpy_reference(tiny_ouro, dtype, tol):
             np.testing.assert_array_equal(exit_loop[far], ref_exit[far])
             chosen = ref_logits[exit_loop, np.arange(len(seq))]
             assert np.abs(np.asarray(out.logits[b]) - chosen).max() < tol
+            weighted = np.einsum("ntv,tn->tv", ref_logits, ref_pdf)
+            got = ouro.expected_logits(out.loop_logits, out.exit_probs)[b]
+            assert np.abs(np.asarray(got) - weighted).max() < tol
     if dtype == "float32":  # the early exit must be exercised: several loops are chosen
         on = ouro.forward(params, config, jnp.asarray(tokens), threshold)
         assert len(np.unique(np.asarray(on.exit_loop))) >= 2

@@ -15,7 +15,9 @@ OuroForCausalLM):
     the remaining mass, p_{N-1} = prod_{j<N-1}(1 - lambda_j). A token exits at the first loop
     whose cumulative sum of p reaches the threshold (the last loop when none does), and its
     logits are that loop's logits. All loops still run for every token (HF computes all of
-    them; so does `forward`): the exit only selects which loop's logits are returned.
+    them; so does `forward`): the exit only selects which loop's logits are returned. (Ouro's
+    other modes: `exit_at_step=l` is `loop_logits[l]`, `use_weighted_exit` is
+    `expected_logits`, no threshold at all is the last loop.)
   * threshold 1.0 means no early exit (Ouro's documented meaning). Ouro's own code compares the
     float cumulative sum with 1.0, which can round to 1.0 before the last loop (notably in
     bfloat16); here 1.0 always selects the last loop, and the exit probabilities are computed
@@ -57,6 +59,7 @@ __all__ = [
     "exit_logit",
     "exit_loops",
     "exit_probabilities",
+    "expected_logits",
     "final_norm",
     "forward",
     "layer_params",
@@ -91,9 +94,8 @@ def decoder_layer(layer: dict, h: jax.Array, positions: jax.Array | None, config
 def exit_logit(params: dict, h: jax.Array) -> jax.Array:
     """The early-exit gate's logit [B, T] float32 of a loop's *final-normed* output h [B,T,H]."""
     gate = params["early_exit_gate"]
-    return h.astype(jnp.float32) @ gate["weight"].astype(jnp.float32) + gate["bias"].astype(
-        jnp.float32
-    )
+    weight = gate["weight"].astype(jnp.float32)
+    return h.astype(jnp.float32) @ weight + gate["bias"].astype(jnp.float32)
 
 
 def exit_probabilities(gate_logits: jax.Array) -> jax.Array:
@@ -119,6 +121,14 @@ def exit_loops(probs: jax.Array, threshold) -> jax.Array:
     reached = jnp.cumsum(probs, axis=-1) >= threshold
     first = jnp.where(reached.any(axis=-1), jnp.argmax(reached, axis=-1), n - 1)
     return jnp.where(jnp.asarray(threshold) >= 1.0, n - 1, first).astype(jnp.int32)
+
+
+def expected_logits(loop_logits: jax.Array, probs: jax.Array) -> jax.Array:
+    """Ouro's `use_weighted_exit` logits [B,T,V] f32: sum over loops of p_l * logits_l.
+
+    loop_logits [N, B, T, V], probs [B, T, N] (`OuroOutput.loop_logits` / `.exit_probs`).
+    """
+    return jnp.einsum("nbtv,btn->btv", loop_logits, probs.astype(loop_logits.dtype))
 
 
 class OuroOutput(NamedTuple):
