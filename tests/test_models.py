@@ -249,6 +249,44 @@ def test_ouro_config_from_checkpoint(tiny_ouro):
     hash(config)
 
 
+def test_ouro_1_4b_config():
+    """Ouro-1.4B's config.json keys (transformers 4 layout: rope_theta, rope_scaling null)."""
+    hf = {
+        "architectures": ["OuroForCausalLM"],
+        "model_type": "ouro",
+        "vocab_size": 49152,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 65536,
+        "tie_word_embeddings": False,
+        "total_ut_steps": 4,
+        "early_exit_threshold": 1.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * 24,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    config = ModelConfig.from_hf_config(hf)
+    assert config.arch == "ouro" and config.num_layers == 24
+    assert config.num_loops == 4 and config.num_caches == 96
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (16, 16, 128)
+    assert config.rope_theta == 1e6 and not config.tie_word_embeddings
+    assert config.early_exit_threshold == 1.0
+    # transformers 5 writes rope_parameters; a "default" rope type is plain RoPE
+    del hf["rope_theta"]
+    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    assert ModelConfig.from_hf_config(hf) == config
+
+
 @pytest.mark.parametrize(("dtype", "tol"), [("float32", OURO_F32_TOL), ("bfloat16", OURO_BF16_TOL)])
 def test_ouro_matches_numpy_reference(tiny_ouro, dtype, tol):
     path, tensors, tokens = tiny_ouro
