@@ -22,6 +22,7 @@ The pytree (weights transposed to [in, out], layers stacked on a leading [num_la
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -232,14 +233,15 @@ def load_hf_directory(path: str | os.PathLike, dtype="bfloat16") -> tuple[ModelC
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
-    handles = [safe_open(str(f), framework="numpy") for f in files]
-    owner = {}
-    for handle in handles:
-        for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
-            owner[name] = handle
-    params = build_params(
-        config, lambda name: owner[name].get_tensor(name), set(owner), dtype, str(path)
-    )
+    with contextlib.ExitStack() as stack:
+        owner = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                owner[name] = handle
+        params = build_params(
+            config, lambda name: owner[name].get_tensor(name), set(owner), dtype, str(path)
+        )
     return config, params
 
 
