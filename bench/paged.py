@@ -15,9 +15,9 @@ Loop l's KV is loop l - 1's plus noise of 0.3 x its scale (successive loops are 
 Timed, per format (median of N jitted runs, each blocked until ready):
   append        one decode token per sequence (B x [1, H, D]) into loop `loop`: it fills the
                 partial page, which is quantized (loop 0: pack_kv; loop l: the residual against
-                the reconstructed loop l - 1 page). The cache argument is donated and each run
-                appends to the previous run's result (a serving engine's in-place update; the
-                block table has spare pages for the timed tokens).
+                the reconstructed loop l - 1 page). The cache is donated (append's default) and
+                each run appends to the previous run's result (a serving engine's in-place
+                update; the block table has spare pages for the timed tokens).
   attention     `paged_decode_attention` over the `context` tokens of loop `loop` (the cache
                 right after the timed token was appended; q [B, Hq, D] bf16). This is the
                 REFERENCE path: it reconstructs every page (through the residual chain for
@@ -183,7 +183,7 @@ def bench(args, warmup: int, repeats: int) -> list[dict]:
             # Attention input: the cache right after this token (computed before donation).
             after = jax.block_until_ready(
                 append(cache, k_tok, v_tok, block_tables=block_tables, seq_ids=seq_ids,
-                       loop=loop)
+                       loop=loop, donate=False)
             )  # fmt: skip
             out = paged_decode_attention(q, after, attn_tables, seq_lens, loop=loop)
             ref, ref_s = baseline[loop]

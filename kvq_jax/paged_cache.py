@@ -4,7 +4,8 @@ The state is a `PagedKVCache` (`kvq_jax.cache_state`, which documents its fields
 `init_cache(PagedCacheConfig(...))`; `kvq_jax.core.allocator.PageAllocator` owns its pages
 and sequence slots. `append` writes tokens, `gather` / `gather_batch` read a sequence's
 reconstructed K and V, `decode_pages` reconstructs physical pages, `fork` starts a sequence on
-another's prefix, `swap_out` / `swap_in` move a sequence to host memory and back (and
+another's prefix, `clear_slot` empties a finished sequence's slot for the next one,
+`swap_out` / `swap_in` move a sequence to host memory and back (and
 `kvq_jax.core.offload` to disk), `check_append` runs an append's data checks on the host.
 
 In place: every function that returns an updated cache consumes the cache it is given (its
@@ -52,6 +53,8 @@ __all__ = [
     "PagedKVCache",
     "append",
     "check_append",
+    "check_fork",
+    "clear_slot",
     "decode_pages",
     "fork",
     "gather",
@@ -362,6 +365,27 @@ def fork(cache: PagedKVCache, *, parent, child, num_tokens) -> PagedKVCache:
 
 
 _ROW_FIELDS = ("k_stage", "v_stage", "k_sink", "v_sink", "seq_lens", "stage_exited")
+
+
+def _clear_slot(cache, slot):
+    updates = {}
+    for name in _ROW_FIELDS:
+        a = getattr(cache, name)
+        if a is not None:
+            updates[name] = a.at[:, slot].set(jnp.zeros((), a.dtype))
+    return dataclasses.replace(cache, **updates)
+
+
+_CLEAR_SLOT = jax.jit(_clear_slot, donate_argnames=("cache",))
+
+
+def clear_slot(cache: PagedKVCache, *, slot) -> PagedKVCache:
+    """Empty sequence slot `slot` (its lengths, staging, sink and exit rows: zero) so that a new
+    sequence can start there; its pages are the allocator's to free. In place."""
+    config = check_cache(cache)
+    if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
+        raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
+    return _CLEAR_SLOT(cache, jnp.int32(slot))
 
 
 @jax.jit

@@ -39,6 +39,7 @@ __all__ = [
     "append",
     "check_append",
     "check_fork",
+    "clear_slot",
     "decode_pages",
     "fork",
     "gather",
@@ -543,6 +544,19 @@ def _index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, values: torch
 
 
 _ROW_FIELDS = ("k_stage", "v_stage", "k_sink", "v_sink", "seq_lens", "stage_exited")
+
+
+@torch.no_grad()
+def clear_slot(cache: PagedKVCache, *, slot: int) -> PagedKVCache:
+    """Empty sequence slot `slot` in place (`kvq_jax.paged_cache.clear_slot`); returns `cache`."""
+    config = _check_cache(cache)
+    if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
+        raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
+    for name in _ROW_FIELDS:
+        a = getattr(cache, name)
+        if a is not None:
+            a[:, slot] = 0
+    return cache
 
 
 @torch.no_grad()

@@ -446,3 +446,104 @@ def test_another_configuration_is_refused(saved):
         jpc.swap_in(jpc.init_cache(config), host, slot=0, pages=np.array([1, 1]))
     with pytest.raises(ValueError, match="do not fit"):
         HostSequence(config=config, arrays={k: v for k, v in host.arrays.items() if k != "k_sink"})
+
+
+# -- a random schedule --------------------------------------------------------------------------
+
+
+def _check_batch(both, refs, alloc):
+    """JAX and Torch hold the same bytes; every live sequence reads (`gather_batch`, one
+    compiled call per loop) exactly its dense reference."""
+    assert_stacks_equal(both.j, both.t)
+    live = alloc.live_slots
+    if not live:
+        return
+    tables = jnp.asarray(alloc.block_tables())
+    lens = np.array([len(refs[s].exit) for s in live], np.int32)
+    padded = np.zeros(both.config.max_seqs, np.int32)
+    padded[: len(live)] = lens
+    slots = np.zeros(both.config.max_seqs, np.int32)
+    slots[: len(live)] = live
+    for loop in range(both.config.num_loops):
+        k, v = jpc.gather_batch(both.j, tables, jnp.asarray(padded), loop=loop,
+                                seq_ids=jnp.asarray(slots))  # fmt: skip
+        for i, slot in enumerate(live):
+            n = int(lens[i])
+            what = f"seq {slot} loop {loop}"
+            assert_same_bytes(np.asarray(k[i, :n]), refs[slot].rows("key", loop, n), what)
+            assert_same_bytes(np.asarray(v[i, :n]), refs[slot].rows("value", loop, n), what)
+
+
+def test_random_schedule():
+    """Sequences arrive (prefill), decode (tokens exit early at random), swap out and back in
+    elsewhere, fork prefixes and finish in a seeded random order; after every step the two
+    stacks hold the same bytes and every live sequence reads its dense reference."""
+    config = make_config(num_pages=16)
+    rng = np.random.default_rng(7)
+    both = Both(config)
+    alloc = PageAllocator.for_config(config, MAX_PAGES)
+    refs: dict = {}
+    swapped = []
+    done = {"add": 0, "decode": 0, "swap_out": 0, "swap_in": 0, "fork": 0, "free": 0}
+    for _ in range(26):
+        live = alloc.live_slots
+        ops = ["add", "decode", "decode", "swap_out", "swap_in", "fork", "free"]
+        op = ops[rng.integers(len(ops))]
+        try:
+            if op == "add":
+                n = int(rng.choice([3, 6]))
+                slot = alloc.add_sequence(n)
+                refs[slot] = Reference(config)
+                k, v, ex = _tokens(rng, config, n, exit_loops=rng.integers(0, 3, n))
+                _append_tokens(both, refs, [slot], k[:, None], v[:, None], ex[None],
+                               alloc.block_tables())  # fmt: skip
+            elif op == "decode" and live:
+                group = sorted(rng.choice(live, rng.integers(1, len(live) + 1), replace=False))
+                for slot in group:
+                    alloc.reserve(int(slot), len(refs[slot].exit) + 1)
+                k, v, ex = _tokens(
+                    rng, config, len(group), exit_loops=rng.integers(0, 3, len(group))
+                )
+                _append_tokens(both, refs, [int(s) for s in group], k[:, :, None], v[:, :, None],
+                               ex[:, None], alloc.block_tables())  # fmt: skip
+            elif op == "swap_out" and live:
+                slot = int(rng.choice(live))
+                pages = alloc.pages(slot)
+                host_j = jpc.swap_out(both.j, slot=slot, pages=pages)
+                host_t = tpc.swap_out(both.t, slot=slot, pages=pages)
+                swapped.append((host_j, host_t, refs.pop(slot)))
+                alloc.free(slot)
+                both.j = jpc.clear_slot(both.j, slot=slot)
+                both.t = tpc.clear_slot(both.t, slot=slot)
+            elif op == "swap_in" and swapped:
+                host_j, host_t, ref = swapped[0]
+                slot = alloc.add_sequence(len(ref.exit))
+                swapped.pop(0)
+                # Each stack takes the other's host copy: the bytes are the same.
+                both.j = jpc.swap_in(both.j, host_t, slot=slot, pages=alloc.pages(slot))
+                both.t = tpc.swap_in(both.t, host_j, slot=slot, pages=alloc.pages(slot))
+                refs[slot] = ref
+            elif op == "fork" and live:
+                parent = int(rng.choice(live))
+                length = len(refs[parent].exit)
+                child = alloc.fork(parent, length)
+                jpc.check_fork(both.j, parent=parent, child=child, num_tokens=length)
+                both.j = jpc.fork(both.j, parent=parent, child=child, num_tokens=length)
+                both.t = tpc.fork(both.t, parent=parent, child=child, num_tokens=length)
+                refs[child] = Reference(config)
+                for kind in ("key", "value"):
+                    refs[child].add(kind, list(refs[parent].x[kind]), refs[parent].exit)
+            elif op == "free" and live:
+                slot = int(rng.choice(live))
+                alloc.free(slot)
+                both.j = jpc.clear_slot(both.j, slot=slot)
+                both.t = tpc.clear_slot(both.t, slot=slot)
+                refs.pop(slot)
+            else:
+                continue
+        except ValueError as e:  # out of pages or slots: the allocator refused, nothing changed
+            assert "out of pages" in str(e) or "no free sequence slot" in str(e), e
+            continue
+        done[op] += 1
+        _check_batch(both, refs, alloc)
+    assert all(done.values()), done  # the schedule exercised every operation
