@@ -45,7 +45,8 @@ from typing import Any
 PINNED_NVCC = "13.5.37"
 #: The line that installs what the `cuda_compile` tests need (CI: `.ci/run` before pytest).
 INSTALL_LINE = (
-    f"pip install jax-cuda13-plugin==0.10.2 nvidia-cuda-nvcc=={PINNED_NVCC} nvidia-nvvm==13.5.*"
+    "pip install jax-cuda13-plugin==0.10.2 "
+    f"nvidia-cuda-nvcc=={PINNED_NVCC} nvidia-nvvm=={PINNED_NVCC}"
 )
 
 # -- targets -----------------------------------------------------------------------------------
@@ -330,7 +331,11 @@ def compile_for_target(
     try:
         lowered = jax.jit(fn, in_shardings=sharding).trace(*args).lower()
         try:
-            lowered.compile(compiler_options={"xla_dump_to": dump_dir})
+            options = {"xla_dump_to": dump_dir}
+            root = cuda_data_dir()
+            if root:  # the pinned ptxas and libdevice, whatever XLA_FLAGS said at start-up
+                options["xla_gpu_cuda_data_dir"] = root
+            lowered.compile(compiler_options=options)
         except Exception as e:  # XlaRuntimeError / JaxRuntimeError
             raise CompileError(str(e)) from e
         launch = {}
@@ -526,7 +531,30 @@ def ci_subset(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
 # -- measured knobs ------------------------------------------------------------------------------
 
 
+#: Elements of a page-reconstruction tile (page_size x head_dim) per thread that fit in
+#: registers without spilling on every target (measured: 32 / thread tops out at 96 registers;
+#: 128 / thread, the old num_warps 2 at [64, 128], hits 255 and spills).
+RECONSTRUCT_ELEMENTS_PER_THREAD = 1024 // 32
+
+
 def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
-    """The knobs that compile `cfg` for `target` with no register spills (measured with
-    bench/kernel_resources.py and ptxas PINNED_NVCC; see docs/kernel_resources.md)."""
-    return DEFAULT_KNOBS[cfg.kernel]
+    """The knobs that compile `cfg` for `target` with no register spills where a knob can do
+    it (measured with bench/kernel_resources.py, ptxas PINNED_NVCC; docs/kernel_resources.md).
+
+    page_pack: the defaults (num_warps 4, num_stages 1) spill nowhere.
+    page_reconstruct: num_warps = page_size * head_dim / 1024 (32 tile elements per thread),
+      at least 2; num_stages 1. Same on every target.
+    paged_attention: num_stages 1 (2 pipelines nothing here and sends ptxas into 32-register
+      allocations with ~20 KB of spills); num_warps 4, 8 where the query block uses the dot
+      path (G >= 8): see ATTENTION_KNOBS for what is left.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}")
+    if cfg.kernel == "page_pack":
+        return DEFAULT_KNOBS["page_pack"]
+    if cfg.kernel == "page_reconstruct":
+        tile = cfg.page_size * cfg.head_dim
+        return Knobs(max(2, tile // (32 * RECONSTRUCT_ELEMENTS_PER_THREAD)), 1)
+    if cfg.kernel == "paged_attention":
+        return DEFAULT_KNOBS["paged_attention"]
+    raise ValueError(f"unknown kernel {cfg.kernel!r}")
