@@ -145,13 +145,13 @@ def _kernel(*refs, planes, loop, dtype, page_size, pages_per_split, use_dot, sin
     def with_sink(kind, i, x):
         if not sink:
             return x
-        pos = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d), 0)
-
-        def merge():
-            rows_ = sink_refs[kind][b, pl.ds(i * ps, ps), h, :]
-            return jnp.where(pos < sink, rows_, x)
-
-        return lax.cond(i * ps < sink, merge, lambda: x)
+        in_sink = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d), 0) < sink
+        # A masked load, no branch: past the sink pages every lane is masked (no memory
+        # access). A lax.cond returning the tile kept both branches' tiles live: 0.5-20 KB
+        # of register spills (docs/kernel_resources.md).
+        ref = sink_refs[kind].at[b, pl.ds(i * ps, ps), h, :]
+        rows_ = pltriton.load(ref, mask=in_sink, other=jnp.zeros((), x.dtype))
+        return jnp.where(in_sink, rows_, x)
 
     def attend(i, k, v, carry):
         m_prev, l_prev, acc_prev = carry
