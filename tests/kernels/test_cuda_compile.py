@@ -33,7 +33,19 @@ TARGETS = tuple(cc.TARGETS)
 @pytest.mark.cuda_compile
 @needs_compiler
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("cfg", SELECTED, ids=lambda c: f"{c.kernel}-{c.name}")
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pytest.param(
+            c,
+            id=f"{c.kernel}-{c.name}",
+            marks=[pytest.mark.xfail(strict=True, reason=cc.KNOWN_SPILLS[c.kernel, c.name])]
+            if (c.kernel, c.name) in cc.KNOWN_SPILLS
+            else [],
+        )
+        for c in SELECTED
+    ],
+)
 def test_kernel_compiles_without_spills(cfg, target):
     knobs = cc.tuned_knobs(cfg, target)
     fn, args = cfg.build(knobs)
