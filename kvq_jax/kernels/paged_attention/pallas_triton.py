@@ -160,7 +160,10 @@ def _kernel(*refs, planes, loop, dtype, page_size, pages_per_split, use_dot, sin
         k = k.astype(jnp.float32)
         v = jnp.where(valid[:, None], v.astype(jnp.float32), jnp.float32(0.0))
         if use_dot:
-            s = pltriton.dot(q, k, trans_b=True, precision=_HIGHEST)  # [Gp, ps]
+            # q read again per page (an L1 hit): held across the loop in the FMA dot's operand
+            # layout it took a full row of D registers per thread (nvfp4-gqa8-p32-d128 spilled).
+            q_page = q_ref[...].astype(jnp.float32)
+            s = pltriton.dot(q_page, k, trans_b=True, precision=_HIGHEST)  # [Gp, ps]
         else:
             s = jnp.sum(q[:, None, :] * k[None, :, :], axis=-1)
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)
