@@ -532,14 +532,8 @@ def ci_subset(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
 
 
 #: Configurations no knob value rids of spills (kernel, config name) -> why; the compile test
-#: expects them to spill (strict xfail) until the kernel changes.
-KNOWN_SPILLS = {
-    ("paged_attention", "nvfp4-gqa8-p32-d128-loop1-bf16"): (
-        "dot path (G >= 8) at head_dim 128: the f32 FMA dots hold [16, 128] operand rows; "
-        "least spill at num_warps 16, num_stages 1 (128 registers, 392-480 B) or 8 / 1 "
-        "(255 registers, ~1 KB); any format, any loop (page 16: 112 B, D 64: none)"
-    ),
-}
+#: expects them to spill (strict xfail) until the kernel changes. None today.
+KNOWN_SPILLS: dict[tuple[str, str], str] = {}
 
 #: Elements of a page-reconstruction tile (page_size x head_dim) per thread that fit in
 #: registers without spilling on every target (measured: 32 / thread tops out at 96 registers;
@@ -556,9 +550,10 @@ def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
       at least 2; num_stages 1. Same on every target.
     paged_attention: the defaults (num_warps 4, num_stages 2) where scores are a broadcast
       multiply-sum (G = Hq / H < 8); the dot path (G >= 8: FMA dots, f32 HIGHEST) takes
-      num_warps 8, num_stages 1 (at 4 warps it reaches 255 registers and spills; num_stages
-      2 sends ptxas into 32-register allocations with ~20 KB of spills). num_splits does not
-      change registers (it bounds a loop). Left over: KNOWN_SPILLS.
+      num_stages 1 and num_warps 8 at head_dim <= 64, 16 at head_dim >= 128 (at 4 warps it
+      reaches 255 registers and spills; num_stages 2 sends ptxas into 32-register
+      allocations with ~20 KB of spills). num_splits does not change registers (it bounds
+      a loop). Same on every target.
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}")
@@ -571,6 +566,6 @@ def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
         from kvq_jax.kernels.paged_attention.pallas_triton import DOT_MIN_GROUP
 
         if cfg.spec.group >= DOT_MIN_GROUP:
-            return Knobs(8, 1)
+            return Knobs(8 if cfg.head_dim <= 64 else 16, 1)
         return DEFAULT_KNOBS["paged_attention"]
     raise ValueError(f"unknown kernel {cfg.kernel!r}")
