@@ -536,9 +536,12 @@ def ci_subset(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
 KNOWN_SPILLS: dict[tuple[str, str], str] = {}
 
 #: Elements of a page-reconstruction tile (page_size x head_dim) per thread that fit in
-#: registers without spilling on every target (measured: 32 / thread tops out at 96 registers;
-#: 128 / thread, the old num_warps 2 at [64, 128], hits 255 and spills).
-RECONSTRUCT_ELEMENTS_PER_THREAD = 1024 // 32
+#: registers without spilling on every target (measured: 32 per thread tops out at 96
+#: registers; 128 per thread, the old num_warps 2 at [64, 128], hits 255 and spills).
+RECONSTRUCT_ELEMENTS_PER_THREAD = 32
+#: Fewest warps of a reconstruction program: 2 warps spill on sm_120a at 2048-element tiles
+#: (Ki4+f8-Vnv+i4-p32-h4-d64 key: 96 registers, 4 B).
+RECONSTRUCT_MIN_WARPS = 4
 
 
 def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
@@ -547,7 +550,7 @@ def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
 
     page_pack: the defaults (num_warps 4, num_stages 1) spill nowhere.
     page_reconstruct: num_warps = page_size * head_dim / 1024 (32 tile elements per thread),
-      at least 2; num_stages 1. Same on every target.
+      at least 4; num_stages 1. Same on every target.
     paged_attention: the defaults (num_warps 4, num_stages 2) where scores are a broadcast
       multiply-sum (G = Hq / H < 8); the dot path (G >= 8: FMA dots, f32 HIGHEST) takes
       num_stages 1 and num_warps 8 at head_dim <= 64, 16 at head_dim >= 128 (at 4 warps it
@@ -561,7 +564,8 @@ def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
         return DEFAULT_KNOBS["page_pack"]
     if cfg.kernel == "page_reconstruct":
         tile = cfg.page_size * cfg.head_dim
-        return Knobs(max(2, tile // (32 * RECONSTRUCT_ELEMENTS_PER_THREAD)), 1)
+        warps = tile // (32 * RECONSTRUCT_ELEMENTS_PER_THREAD)
+        return Knobs(max(RECONSTRUCT_MIN_WARPS, warps), 1)
     if cfg.kernel == "paged_attention":
         from kvq_jax.kernels.paged_attention.pallas_triton import DOT_MIN_GROUP
 
