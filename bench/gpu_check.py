@@ -7,7 +7,8 @@ first); on its own:
     python bench/gpu_check.py --install-line     # the pip line gpu_check.sh runs
 
 Steps (each a subprocess with a timeout; a failing step is recorded, the others still run):
-  tests                python -m pytest tests/kernels --run-gpu (JUnit XML -> counts)
+  tests                python -m pytest tests/kernels --run-gpu -m "not cuda_compile"
+                       (JUnit XML -> counts)
   page_pack            bench/page_pack.py --quick --tokens 8192
   page_reconstruct     bench/page_reconstruct.py --quick (2 x 1024 tokens)
   paged_attention      bench/paged_attention_kernel.py --quick --batch 1 8 --context 4096
@@ -63,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def pytest_command(args, junit: str) -> list[str]:
     return [
         sys.executable, "-m", "pytest", "tests/kernels", "--run-gpu", "-q",
+        "-m", "not cuda_compile",  # the deviceless compile sweep is CI's, not the GPU's
         "-p", "no:cacheprovider", f"--junitxml={junit}", *shlex.split(args.pytest_args),
     ]  # fmt: skip
 

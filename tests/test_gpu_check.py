@@ -57,6 +57,7 @@ def test_install_line_is_well_formed(capsys):
 def test_commands_name_the_kernel_tests_and_benchmarks():
     cmd = gc.pytest_command(gc.parse_args([]), "j.xml")
     assert cmd[1:5] == ["-m", "pytest", "tests/kernels", "--run-gpu"]
+    assert cmd[cmd.index("-m", 2) + 1] == "not cuda_compile"
     assert set(gc.BENCHES) == {"page_pack", "page_reconstruct", "paged_attention"}
     for name in gc.BENCHES:
         cmd = gc.bench_command(name, "o.json")
