@@ -13,9 +13,10 @@ invisible to ptxas) comes from the `ttg.shared` attribute of the Triton GPU IR X
 
 Needs `jax-cuda13-plugin` (the CUDA compiler in jaxlib's plugin form) and a ptxas + libdevice:
 `availability()` says what is missing (None when everything is there). The ptxas is pinned:
-`KVQ_PTXAS` (a path) or the one of the PyPI package `nvidia-cuda-nvcc` (`PINNED_PTXAS`), else
-the first on PATH; XLA is pointed at its CUDA root with `--xla_gpu_cuda_data_dir`, so XLA and
-the resource report use the same binary. Run with JAX_PLATFORMS=cpu (nothing runs on a device).
+the one of the PyPI package `nvidia-cuda-nvcc` at version `PINNED_NVCC`, or `KVQ_PTXAS` (a
+path, an explicit override); XLA is pointed at its CUDA root (`xla_gpu_cuda_data_dir`) at
+every compile, so XLA and the resource report use the same binary. Run with
+JAX_PLATFORMS=cpu (nothing runs on a device).
 
 Limit: with no GPU visible, Pallas lowers as for compute capability 9.0 whatever the target
 (`jax/_src/pallas/triton/pallas_call_registration.py`), so a lowering decision keyed on the
@@ -141,14 +142,13 @@ def _nvcc_package_root() -> pathlib.Path | None:
 
 
 def ptxas_path() -> str | None:
-    """The pinned ptxas: $KVQ_PTXAS, else PyPI nvidia-cuda-nvcc's, else the first on PATH."""
+    """The pinned ptxas: $KVQ_PTXAS (an explicit choice), else PyPI nvidia-cuda-nvcc's; a
+    ptxas on PATH is not taken (its version would change the figures silently)."""
     env = os.environ.get("KVQ_PTXAS")
     if env:
         return env if os.path.isfile(env) else None
     root = _nvcc_package_root()
-    if root is not None:
-        return str(root / "bin" / "ptxas")
-    return shutil.which("ptxas")
+    return None if root is None else str(root / "bin" / "ptxas")
 
 
 def cuda_data_dir() -> str | None:
@@ -180,9 +180,11 @@ def availability() -> str | None:
     except ImportError:
         return f"the JAX CUDA plugin is not installed ({INSTALL_LINE})"
     if ptxas_path() is None:
-        return f"no ptxas (set KVQ_PTXAS or {INSTALL_LINE})"
+        return f"no ptxas (set KVQ_PTXAS=/path/to/cuda/bin/ptxas or {INSTALL_LINE})"
     if cuda_data_dir() is None:
         return f"no libdevice beside ptxas {ptxas_path()} ({INSTALL_LINE})"
+    if not os.environ.get("KVQ_PTXAS") and ptxas_version() != PINNED_NVCC:
+        return f"ptxas {ptxas_version()} is not the pinned {PINNED_NVCC} ({INSTALL_LINE})"
     return None
 
 
