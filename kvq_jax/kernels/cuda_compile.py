@@ -255,6 +255,17 @@ def ptx_target(ptx: str) -> str:
     return m.group(1)
 
 
+def dumped_ptx_targets(dump_dir: str, kernel_prefix: str = "kvq_") -> set[str]:
+    """The `.target`s of the PTX files in `dump_dir` holding a `kernel_prefix` kernel (also
+    after a failed compile: XLA dumps the PTX before ptxas runs)."""
+    out = set()
+    for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
+        ptx = pathlib.Path(path).read_text()
+        if f".entry {kernel_prefix}" in ptx:
+            out.add(ptx_target(ptx))
+    return out
+
+
 def parse_ptxas(text: str) -> list[KernelResources]:
     """Per entry function: registers, spill stores / loads, stack, static smem."""
     out = []

@@ -111,23 +111,26 @@ def _fp8_convert_asm():
 
 @pytest.mark.cuda_compile
 @needs_compiler
-def test_too_much_shared_memory_fails_on_sm120():
+def test_too_much_shared_memory_fails_on_sm120(tmp_path):
     fn, args = _big_dot()
     ok = cc.compile_for_target(fn, args, "sm_90a")
     assert ok.ptx_target == "sm_90a"
     assert max(k.smem for k in ok.kernels) > cc.TARGETS["sm_120a"].shared_memory_per_block_optin
     with pytest.raises(cc.CompileError, match=r"Shared memory size limit exceeded.*101376"):
-        cc.compile_for_target(fn, args, "sm_120a")
+        cc.compile_for_target(fn, args, "sm_120a", dump_dir=str(tmp_path))
+    # XLA refuses the launch before any PTX is written; none of another target either.
+    assert cc.dumped_ptx_targets(str(tmp_path)) <= {"sm_120a"}
 
 
 @pytest.mark.cuda_compile
 @needs_compiler
-def test_instruction_sm80_lacks_fails_on_sm80():
+def test_instruction_sm80_lacks_fails_on_sm80(tmp_path):
     fn, args = _fp8_convert_asm()
     for target in ("sm_90a", "sm_120a"):
         assert cc.compile_for_target(fn, args, target).ptx_target == target
     with pytest.raises(cc.CompileError, match=r"ptxas.*requires \.target sm_89 or higher"):
-        cc.compile_for_target(fn, args, "sm_80")
+        cc.compile_for_target(fn, args, "sm_80", dump_dir=str(tmp_path))
+    assert cc.dumped_ptx_targets(str(tmp_path)) == {"sm_80"}  # the PTX ptxas refused
 
 
 @pytest.mark.cuda_compile
