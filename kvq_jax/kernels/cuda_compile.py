@@ -42,6 +42,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
+# The CUDA plugin checks for a usable CUDA installation (cuDNN, driver) when jax discovers
+# it, unless JAX_PLATFORMS excludes CUDA; here only its compiler is used, so the check is
+# skipped (it has to be set before jax's first backend initialization to count).
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
 #: The pinned ptxas: PyPI `nvidia-cuda-nvcc` of this version (with `nvidia-nvvm` for libdevice).
 PINNED_NVCC = "13.5.37"
 #: The line that installs what the `cuda_compile` tests need (CI: `.ci/run` before pytest).
@@ -185,6 +190,13 @@ def availability() -> str | None:
         return f"no libdevice beside ptxas {ptxas_path()} ({INSTALL_LINE})"
     if not os.environ.get("KVQ_PTXAS") and ptxas_version() != PINNED_NVCC:
         return f"ptxas {ptxas_version()} is not the pinned {PINNED_NVCC} ({INSTALL_LINE})"
+    try:
+        _mesh("sm_90a")
+    except Exception as e:  # the plugin failed at jax's discovery (e.g. its CUDA check)
+        return (
+            f"no compile-only CUDA device ({type(e).__name__}: {e}); run with "
+            "JAX_PLATFORMS=cpu or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1"
+        )
     return None
 
 
