@@ -146,13 +146,13 @@ def _kernel(*refs, planes, loop, dtype, page_size, pages_per_split, use_dot, sin
     def with_sink(kind, i, x):
         if not sink:
             return x
-        pos = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d), 0)
-
-        def merge():
-            rows_ = sink_refs[kind][b, pl.ds(i * ps, ps), h, :]
-            return jnp.where(pos < sink, rows_, x)
-
-        return lax.cond(i * ps < sink, merge, lambda: x)
+        in_sink = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d), 0) < sink
+        # A masked load, no branch: past the sink pages every lane is masked (no memory
+        # access). A lax.cond returning the tile kept both branches' tiles live: 0.5-20 KB
+        # of register spills (docs/kernel_resources.md).
+        ref = sink_refs[kind].at[b, pl.ds(i * ps, ps), h, :]
+        rows_ = pltriton.load(ref, mask=in_sink, other=jnp.zeros((), x.dtype))
+        return jnp.where(in_sink, rows_, x)
 
     def attend(i, k, v, carry):
         m_prev, l_prev, acc_prev = carry
@@ -161,7 +161,10 @@ def _kernel(*refs, planes, loop, dtype, page_size, pages_per_split, use_dot, sin
         k = k.astype(jnp.float32)
         v = jnp.where(valid[:, None], v.astype(jnp.float32), jnp.float32(0.0))
         if use_dot:
-            s = pltriton.dot(q, k, trans_b=True, precision=_HIGHEST)  # [Gp, ps]
+            # q read again per page (an L1 hit): held across the loop in the FMA dot's operand
+            # layout it took a full row of D registers per thread (nvfp4-gqa8-p32-d128 spilled).
+            q_page = q_ref[...].astype(jnp.float32)
+            s = pltriton.dot(q_page, k, trans_b=True, precision=_HIGHEST)  # [Gp, ps]
         else:
             s = jnp.sum(q[:, None, :] * k[None, :, :], axis=-1)
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)

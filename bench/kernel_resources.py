@@ -1,0 +1,209 @@
+"""Registers, spills and shared memory of every Pallas Triton kernel configuration, per GPU
+target, compiled on this machine with no GPU (JAX deviceless AOT + the pinned ptxas -v).
+
+    JAX_PLATFORMS=cpu python bench/kernel_resources.py --targets sm_80,sm_90a,sm_120a \\
+        [--full] [--knobs tuned|default] [--kernels page_pack,...] [--filter REGEX] \\
+        [--num-warps N] [--num-stages N] [--num-splits N] \\
+        [--json FILE] [--markdown docs/kernel_resources.md]
+
+Without --full: the CI subset (`cuda_compile.ci_subset`: every kernel, every format, both head
+dims, the largest page). --knobs tuned (default) compiles each configuration with the measured
+knob table (`cuda_compile.tuned_knobs`), --knobs default with the kernels' current constants;
+--num-warps / --num-stages / --num-splits override either. Exit status 1 when a configuration
+fails to compile, spills (any spill store bytes) or exceeds the target's shared memory.
+Needs `cuda_compile.INSTALL_LINE`; ~1-6 s per configuration and target on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from kvq_jax.kernels import cuda_compile as cc
+
+COLUMNS = (
+    "kernel", "config", "target", "knobs", "registers", "spill_stores", "spill_loads",
+    "stack", "smem", "threads", "status",
+)  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--targets", default="sm_80,sm_90a,sm_120a", help="comma list of targets")
+    p.add_argument("--full", action="store_true", help="every configuration (not the CI subset)")
+    p.add_argument("--kernels", default=",".join(cc.KERNELS), help="comma list of kernels")
+    p.add_argument("--filter", default=None, help="regex on the configuration name")
+    p.add_argument("--knobs", choices=("tuned", "default"), default="tuned")
+    p.add_argument("--num-warps", type=int, default=None)
+    p.add_argument("--num-stages", type=int, default=None)
+    p.add_argument("--num-splits", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--markdown", default=None, help="write a Markdown table here")
+    p.add_argument(
+        "--from-json", default=None, help="render --markdown from this JSON (no compiling)"
+    )
+    args = p.parse_args(argv)
+    args.targets = [t for t in args.targets.split(",") if t]
+    for t in args.targets:
+        if t not in cc.TARGETS:
+            p.error(f"unknown target {t!r}; known: {', '.join(cc.TARGETS)}")
+    args.kernels = [k for k in args.kernels.split(",") if k]
+    for k in args.kernels:
+        if k not in cc.KERNELS:
+            p.error(f"unknown kernel {k!r}; known: {', '.join(cc.KERNELS)}")
+    return args
+
+
+def knobs_for(args, cfg: cc.KernelConfig, target: str) -> cc.Knobs:
+    base = cc.tuned_knobs(cfg, target) if args.knobs == "tuned" else cc.DEFAULT_KNOBS[cfg.kernel]
+    overrides = {
+        k: v
+        for k, v in (
+            ("num_warps", args.num_warps),
+            ("num_stages", args.num_stages),
+            ("num_splits", args.num_splits),
+        )
+        if v is not None
+    }
+    return cc.Knobs(**{**vars(base), **overrides})
+
+
+def measure(cfg: cc.KernelConfig, target: str, knobs: cc.Knobs) -> dict:
+    row = dict(kernel=cfg.kernel, config=cfg.name, target=target, knobs=knobs.label())
+    row.update(num_warps=knobs.num_warps, num_stages=knobs.num_stages,
+               num_splits=knobs.num_splits)  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        fn, fargs = cfg.build(knobs)
+        result = cc.compile_for_target(fn, fargs, target)
+    except (cc.CompileError, ValueError) as e:
+        row.update(status="error", error=str(e)[:2000], seconds=time.perf_counter() - t0)
+        return row
+    k = max(result.kernels, key=lambda r: (r.spill_stores, r.registers))
+    limit = cc.TARGETS[target].shared_memory_per_block_optin
+    row.update(
+        ptx_target=result.ptx_target,
+        registers=k.registers,
+        spill_stores=sum(r.spill_stores for r in result.kernels),
+        spill_loads=sum(r.spill_loads for r in result.kernels),
+        stack=k.stack,
+        smem=max(r.smem for r in result.kernels),
+        smem_limit=limit,
+        threads=k.threads,
+        seconds=round(time.perf_counter() - t0, 2),
+    )
+    problems = []
+    if row["spill_stores"]:
+        problems.append("spills")
+    if row["smem"] > limit:
+        problems.append("smem")
+    if result.ptx_target != target:
+        problems.append(f"ptx target {result.ptx_target}")
+    row["status"] = ",".join(problems) or "ok"
+    return row
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    head = [
+        "# Kernel resources per GPU target",
+        "",
+        "Generated by `python bench/kernel_resources.py` (deviceless compilation, no GPU):",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- ptxas {meta['ptxas_version']}, jax {meta['jax']}; knobs: {meta['knobs']}",
+        "- registers per thread, spill store/load and stack bytes per thread (`ptxas -v` on "
+        "the PTX XLA emits); smem: shared memory per block (launch + static) in bytes; "
+        "knobs: w num_warps, st num_stages, s num_splits (attention; default: the API's).",
+        "",
+    ]
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        if r["status"] == "error":
+            err = re.sub(r"\s+", " ", r["error"])[:120].replace("|", "/")
+            cells = [r["kernel"], r["config"], r["target"], r["knobs"]] + [""] * 6
+            cells.append(f"error: {err}")
+        else:
+            cells = [str(r.get(c, "")) for c in COLUMNS]
+        table.append("| " + " | ".join(cells) + " |")
+    bad = [r for r in rows if r["status"] != "ok"]
+    tail = ["", f"{len(rows)} rows, {len(bad)} not ok.", ""]
+    return "\n".join([*head, *summary(rows), *table, *tail])
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per kernel and target: configurations, most registers, spilling ones, most smem."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["kernel"], r["target"]), []).append(r)
+    out = [
+        "| kernel | target | configs | max registers | spilling | max spill stores | "
+        "max smem | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (kernel, target), rs in groups.items():
+        ok = [r for r in rs if r["status"] != "error"]
+        out.append(
+            f"| {kernel} | {target} | {len(rs)} | {max((r['registers'] for r in ok), default='')}"
+            f" | {sum(1 for r in ok if r['spill_stores'])}"
+            f" | {max((r['spill_stores'] for r in ok), default='')}"
+            f" | {max((r['smem'] for r in ok), default='')} | {len(rs) - len(ok)} |"
+        )
+    return [*out, ""]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        data = json.loads(pathlib.Path(args.from_json).read_text())
+        if args.markdown:
+            pathlib.Path(args.markdown).write_text(markdown(data["rows"], data["meta"]))
+        return 0 if all(r["status"] == "ok" for r in data["rows"]) else 1
+    missing = cc.availability()
+    if missing:
+        print(f"cannot compile for CUDA here: {missing}", file=sys.stderr)
+        return 2
+    configs = cc.kernel_configs(args.kernels)
+    if not args.full:
+        configs = cc.ci_subset(configs)
+    if args.filter:
+        configs = [c for c in configs if re.search(args.filter, c.name)]
+    import jax
+
+    rows = []
+    for target in args.targets:
+        for cfg in configs:
+            row = measure(cfg, target, knobs_for(args, cfg, target))
+            rows.append(row)
+            print(
+                f"{row['target']:8} {row['kernel']:17} {row['config']:48} {row['knobs']:10} "
+                f"regs {row.get('registers', '-'):>3} spill {row.get('spill_stores', '-'):>6} "
+                f"smem {row.get('smem', '-'):>6} {row['status']}",
+                flush=True,
+            )
+    meta = dict(
+        command="python bench/kernel_resources.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        ptxas=cc.ptxas_path(),
+        ptxas_version=cc.ptxas_version(),
+        jax=jax.__version__,
+        knobs=args.knobs,
+        targets={t: cc.TARGETS[t].device for t in args.targets},
+    )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(markdown(rows, meta))
+    bad = [r for r in rows if r["status"] != "ok"]
+    print(f"{len(rows)} rows, {len(bad)} not ok")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
