@@ -402,8 +402,15 @@ class Knobs:
         splits = "" if self.num_splits is None else f" s{self.num_splits}"
         return f"w{self.num_warps} st{self.num_stages}{splits}"
 
+    @property
+    def launch(self):
+        from kvq_jax.kernels.launch import Launch
 
-#: The knobs each kernel uses today (its module constants / parameter defaults).
+        return Launch(self.num_warps, self.num_stages)
+
+
+#: The knobs each kernel used at 3aba84c (module constants / parameter defaults), before the
+#: launch rules: `bench/kernel_resources.py --knobs default` reproduces the "before" table.
 DEFAULT_KNOBS = {
     "page_pack": Knobs(4, 1),
     "page_reconstruct": Knobs(2, 1),
@@ -447,8 +454,8 @@ class KernelConfig:
 
 
 def _build_page_pack(cfg: KernelConfig, knobs: Knobs):
+    from kvq_jax.core.cache_config import resolve_paged
     from kvq_jax.kernels.page_pack import pallas_triton
-    from kvq_jax.paged import resolve_paged
 
     spec = cfg.spec
     axis, group_size = resolve_paged(
@@ -456,22 +463,16 @@ def _build_page_pack(cfg: KernelConfig, knobs: Knobs):
     )
 
     def fn(pages):
-        # The page-pack knobs are module constants read at trace time.
-        saved = pallas_triton.NUM_WARPS, pallas_triton.NUM_STAGES
-        pallas_triton.NUM_WARPS, pallas_triton.NUM_STAGES = knobs.num_warps, knobs.num_stages
-        try:
-            return pallas_triton.pack_pages(
-                pages, kind=spec.kind, format=spec.format, axis=axis, group_size=group_size,
-                interpret=False,
-            )  # fmt: skip
-        finally:
-            pallas_triton.NUM_WARPS, pallas_triton.NUM_STAGES = saved
+        return pallas_triton.pack_paged(
+            pages, kind=spec.kind, format=spec.format, axis=axis, group_size=group_size,
+            interpret=False, launch=knobs.launch,
+        )  # fmt: skip
 
     return fn, (spec.shape_dtype_struct(5),)
 
 
 def _build_page_reconstruct(cfg: KernelConfig, knobs: Knobs):
-    from kvq_jax.kernels.page_reconstruct.pallas_triton import reconstruct_pages_pallas
+    from kvq_jax.kernels.page_reconstruct import pallas_triton
 
     spec = cfg.spec
     if knobs.num_stages != 1:
@@ -481,7 +482,7 @@ def _build_page_reconstruct(cfg: KernelConfig, knobs: Knobs):
         (cache.k_base, cache.k_delta) if cfg.kind == "key" else (cache.v_base, cache.v_delta)
     )
     fn = functools.partial(
-        reconstruct_pages_pallas, loop=spec.loop, interpret=False, num_warps=knobs.num_warps
+        pallas_triton.decode_pages, loop=spec.loop, interpret=False, launch=knobs.launch
     )
     return fn, (base, delta if spec.loop else None, spec.page_ids(8))
 
@@ -496,7 +497,7 @@ def _build_paged_attention(cfg: KernelConfig, knobs: Knobs):
     def fn(q, cache, tables, lens, ids):
         return pallas_triton.paged_decode_attention(
             q, cache, tables, lens, ids, loop=spec.loop, num_splits=splits, interpret=False,
-            num_warps=knobs.num_warps, num_stages=knobs.num_stages,
+            launch=knobs.launch,
         )  # fmt: skip
 
     return fn, (shapes.q, shapes.cache, shapes.block_tables, shapes.seq_lens, shapes.seq_ids)
@@ -560,41 +561,21 @@ def ci_subset(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
 #: expects them to spill (strict xfail) until the kernel changes. None today.
 KNOWN_SPILLS: dict[tuple[str, str], str] = {}
 
-#: Elements of a page-reconstruction tile (page_size x head_dim) per thread that fit in
-#: registers without spilling on every target (measured: 32 per thread tops out at 96
-#: registers; 128 per thread, the old num_warps 2 at [64, 128], hits 255 and spills).
-RECONSTRUCT_ELEMENTS_PER_THREAD = 32
-#: Fewest warps of a reconstruction program: 2 warps spill on sm_120a at 2048-element tiles
-#: (Ki4+f8-Vnv+i4-p32-h4-d64 key: 96 registers, 4 B).
-RECONSTRUCT_MIN_WARPS = 4
-
 
 def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
-    """The knobs that compile `cfg` for `target` with no register spills where a knob can do
-    it (measured with bench/kernel_resources.py, ptxas PINNED_NVCC; docs/kernel_resources.md).
+    """The knobs the kernels launch `cfg` with on `target` (`backend="auto"`): the rules of
+    `kvq_jax.kernels.launch`, measured spill-free with bench/kernel_resources.py (ptxas
+    PINNED_NVCC; docs/kernel_resources.md). The same on every target."""
+    from kvq_jax.kernels import launch
 
-    page_pack: the defaults (num_warps 4, num_stages 1) spill nowhere.
-    page_reconstruct: num_warps = page_size * head_dim / 1024 (32 tile elements per thread),
-      at least 4; num_stages 1. Same on every target.
-    paged_attention: the defaults (num_warps 4, num_stages 2) where scores are a broadcast
-      multiply-sum (G = Hq / H < 8); the dot path (G >= 8: FMA dots, f32 HIGHEST) takes
-      num_stages 1 and num_warps 8 at head_dim <= 64, 16 at head_dim >= 128 (at 4 warps it
-      reaches 255 registers and spills; num_stages 2 sends ptxas into 32-register
-      allocations with ~20 KB of spills). num_splits does not change registers (it bounds
-      a loop). Same on every target.
-    """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}")
     if cfg.kernel == "page_pack":
-        return DEFAULT_KNOBS["page_pack"]
-    if cfg.kernel == "page_reconstruct":
-        tile = cfg.page_size * cfg.head_dim
-        warps = tile // (32 * RECONSTRUCT_ELEMENTS_PER_THREAD)
-        return Knobs(max(RECONSTRUCT_MIN_WARPS, warps), 1)
-    if cfg.kernel == "paged_attention":
-        from kvq_jax.kernels.paged_attention.pallas_triton import DOT_MIN_GROUP
-
-        if cfg.spec.group >= DOT_MIN_GROUP:
-            return Knobs(8 if cfg.head_dim <= 64 else 16, 1)
-        return DEFAULT_KNOBS["paged_attention"]
-    raise ValueError(f"unknown kernel {cfg.kernel!r}")
+        rule = launch.page_pack(cfg.page_size, cfg.head_dim)
+    elif cfg.kernel == "page_reconstruct":
+        rule = launch.page_reconstruct(cfg.page_size, cfg.head_dim)
+    elif cfg.kernel == "paged_attention":
+        rule = launch.paged_attention(cfg.spec.group, cfg.head_dim)
+    else:
+        raise ValueError(f"unknown kernel {cfg.kernel!r}")
+    return Knobs(rule.num_warps, rule.num_stages)

@@ -25,6 +25,7 @@ import numpy as np
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import resolve_paged
 from kvq_jax.kernels import backend as _backend
+from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.page_pack import pallas_triton, xla
 from kvq_jax.packed import PackedKV
 
@@ -78,13 +79,17 @@ def config_support(
     return _reason((page_size, h, d), format, axis, group_size)
 
 
-def dispatch(pages, *, kind: str, format: str, group_size: int, axis: str, backend: str):
+def dispatch(
+    pages, *, kind: str, format: str, group_size: int, axis: str, backend: str, launch=None
+):
     """`pack_paged` for validated pages and resolved (axis, group_size): picks the backend
     and runs it (traceable)."""
     page_shape = tuple(pages.shape[1:])
     impl = _backend.resolve_backend(backend, _reason(page_shape, format, axis, group_size))
     if impl == "xla" or pages.shape[0] == 0:  # nothing to launch for zero pages
         return xla.pack_paged(pages, kind=kind, format=format, group_size=group_size, axis=axis)
+    if launch is None:
+        launch = _launch.page_pack(page_shape[0], page_shape[2])
     return pallas_triton.pack_paged(
         pages,
         kind=kind,
@@ -92,10 +97,13 @@ def dispatch(pages, *, kind: str, format: str, group_size: int, axis: str, backe
         axis=axis,
         group_size=group_size,
         interpret=impl == "pallas_interpret",
+        launch=launch,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis", "backend"))
+@functools.partial(
+    jax.jit, static_argnames=("kind", "format", "group_size", "axis", "backend", "launch")
+)
 def pack_paged(
     pages,
     *,
@@ -104,6 +112,7 @@ def pack_paged(
     group_size: int | None = None,
     axis: str | None = None,
     backend: str = "auto",
+    launch: _launch.Launch | None = None,
 ) -> PackedKV:
     """Pack every page of `pages` [P, page_size, H, D] on its own (`kvq_jax.paged`).
 
@@ -115,6 +124,8 @@ def pack_paged(
       backend: "auto" (the Pallas kernel where supported, else XLA), "xla", "pallas" or
         "pallas_interpret". "pallas" / "pallas_interpret" raise ValueError when the kernel
         does not take the configuration (`config_support`) or, for "pallas", the device.
+      launch: the kernel's `kvq_jax.kernels.launch.Launch` (warps, stages); None: the rule
+        of `kvq_jax.kernels.launch.page_pack`. Ignored by XLA.
 
     Returns:
       A `PackedKV` whose arrays carry a leading page axis (`batch_shape == (P,)`), the same
@@ -124,8 +135,9 @@ def pack_paged(
     _, page_size, h, d = checks.check_pages(pages)
     axis, group_size = resolve_paged(format, kind, (page_size, h, d), axis, group_size)
     return dispatch(
-        pages, kind=kind, format=format, group_size=group_size, axis=axis, backend=backend
-    )
+        pages, kind=kind, format=format, group_size=group_size, axis=axis, backend=backend,
+        launch=_launch.check_launch(launch),
+    )  # fmt: skip
 
 
 def storage_bytes(pages_shape, dtype, **kwargs) -> tuple[int, int]:

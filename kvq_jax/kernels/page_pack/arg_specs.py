@@ -1,7 +1,7 @@
 """Argument specs of page pack, shared by the tests and the benchmark.
 
 A `PagePackSpec` is one configuration (format, kind, page shape, dtype, group size, axis);
-`spec.kwargs` are the `pack_pages` keyword arguments, `spec.shape(P)` the pages' shape.
+`spec.kwargs` are the `pack_paged` keyword arguments, `spec.shape(P)` the pages' shape.
 
   SPECS        every supported configuration the tests lower for CUDA and compare on a GPU:
                each format variant x page size 16 / 32 / 64 x head dim 64 / 128, the input
@@ -61,7 +61,7 @@ class PagePackSpec:
 
     @property
     def kwargs(self) -> dict:
-        """The `pack_pages` / `pack_paged` keyword arguments (backend excluded)."""
+        """The `pack_paged` keyword arguments (backend excluded)."""
         return dict(kind=self.kind, format=self.format, group_size=self.group_size, axis=self.axis)
 
     def shape(self, num_pages: int) -> tuple[int, int, int, int]:

@@ -52,6 +52,8 @@ from kvq_jax.core.constants import (
     NVFP4_ONE_SIXTH,
 )
 from kvq_jax.kernels import _exact
+from kvq_jax.kernels import launch as _launch
+from kvq_jax.kernels.launch import Launch
 from kvq_jax.packed import PackedKV
 
 _EXPONENT = np.uint32(0x7F800000)
@@ -59,12 +61,6 @@ _F16_NAN_BITS = np.uint16(0x7E00)  # canonical float16 NaN (docs/FORMAT.md secti
 _E4M3_NAN = np.int32(0x7F)
 _E4M3_MIN_NORMAL = np.float32(2.0**-6)
 _E4M3_SUBNORMAL_STEPS = np.float32(2.0**9)  # subnormal E4M3 values are k * 2**-9, k = 0..7
-
-#: Warps per program: a [64, 128] tile is 8192 elements, 64 per thread at 4 warps.
-NUM_WARPS = 4
-#: No software pipelining: each program handles one tile (INT4/FP8) or loops over heads with
-#: a data-dependent second pass (NVFP4); there is nothing to prefetch ahead.
-NUM_STAGES = 1
 
 
 # -- element-wise pieces ------------------------------------------------------------------
@@ -245,12 +241,12 @@ def _nvfp4_kernel(x_ref, codes_ref, block_ref, global_ref, *, axis, num_heads, i
 # -- the pallas_call wrappers ---------------------------------------------------------------
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret: bool):
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret: bool, launch):
     params = {}
     if not interpret:
         # A bare pallas_call on GPU goes to Mosaic GPU, which does not target SM120.
         params["compiler_params"] = pltriton.CompilerParams(
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES
+            num_warps=launch.num_warps, num_stages=launch.num_stages
         )
     return pl.pallas_call(
         kernel,
@@ -271,7 +267,7 @@ def _meta_block(axis: str, page_size: int, head_dim: int, group_size: int):
     return page_size, head_dim // group_size
 
 
-def _pack_int4(pages, axis, group_size, interpret):
+def _pack_int4(pages, axis, group_size, interpret, launch):
     p, t, h, d = pages.shape
     mt, md = _meta_block(axis, t, d, group_size)
     tile = lambda rows, cols: pl.BlockSpec((None, rows, None, cols), lambda i, j: (i, 0, j, 0))  # noqa: E731
@@ -286,11 +282,12 @@ def _pack_int4(pages, axis, group_size, interpret):
             jax.ShapeDtypeStruct((p, mt, h, md), jnp.float16),
         ],
         interpret=interpret,
+        launch=launch,
     )(pages)
     return {"codes": codes, "minimum": minimum, "scale": scale}
 
 
-def _pack_nvfp4(pages, axis, interpret):
+def _pack_nvfp4(pages, axis, interpret, launch):
     p, t, h, d = pages.shape
     mt, md = _meta_block(axis, t, d, NVFP4_GROUP_SIZE)
     page = lambda rows, cols: pl.BlockSpec((None, rows, h, cols), lambda i: (i, 0, 0, 0))  # noqa: E731
@@ -305,6 +302,7 @@ def _pack_nvfp4(pages, axis, interpret):
             jax.ShapeDtypeStruct((p, 1), jnp.float32),
         ],
         interpret=interpret,
+        launch=launch,
     )(pages)
     return {
         "codes": codes,
@@ -313,7 +311,7 @@ def _pack_nvfp4(pages, axis, interpret):
     }
 
 
-def _pack_fp8(pages, interpret):
+def _pack_fp8(pages, interpret, launch):
     p, t, h, d = pages.shape
     codes, scale = _call(
         functools.partial(_fp8_kernel, interpret=interpret),
@@ -328,21 +326,26 @@ def _pack_fp8(pages, interpret):
             jax.ShapeDtypeStruct((p, t, h), jnp.float32),
         ],
         interpret=interpret,
+        launch=launch,
     )(pages)
     return {"codes": lax.bitcast_convert_type(codes, jnp.float8_e4m3fn), "scale": scale}
 
 
 def pack_paged(
-    pages, *, kind: str, format: str, axis: str, group_size: int, interpret: bool
-) -> PackedKV:
+    pages, *, kind: str, format: str, axis: str, group_size: int, interpret: bool,
+    launch: Launch | None = None,
+) -> PackedKV:  # fmt: skip
     """Validated pages [P, page_size, H, D] (a configuration `api.config_support` accepts,
-    axis and group_size resolved) -> the `PackedKV` that `pack_paged` returns."""
+    axis and group_size resolved) -> the `PackedKV` that `pack_paged` returns; `launch`: the
+    Triton launch parameters (None: the rule of `kvq_jax.kernels.launch.page_pack`)."""
+    if launch is None:
+        launch = _launch.page_pack(pages.shape[1], pages.shape[3])
     if format == "int4":
-        arrays = _pack_int4(pages, axis, group_size, interpret)
+        arrays = _pack_int4(pages, axis, group_size, interpret, launch)
     elif format == "nvfp4":
-        arrays = _pack_nvfp4(pages, axis, interpret)
+        arrays = _pack_nvfp4(pages, axis, interpret, launch)
     elif format == "fp8_e4m3":
-        arrays = _pack_fp8(pages, interpret)
+        arrays = _pack_fp8(pages, interpret, launch)
     else:
         raise ValueError(f"format {format!r} has no page-pack kernel")
     return PackedKV(

@@ -18,6 +18,7 @@ from kvq_jax.cache_state import check_cache, planes
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.layouts import check_kind
+from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.backend import resolve_backend
 from kvq_jax.kernels.page_reconstruct import pallas_triton, xla
 from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS
@@ -77,13 +78,15 @@ def _check_pages(pages):
 
 
 @functools.cache
-def _batchable(loop: int, interpret: bool):
+def _batchable(loop: int, interpret: bool, launch):
     """The kernel call with a vmap rule: batched page ids (e.g. `gather_batch`) flatten into
     one longer grid; a batched cache runs one call per batch entry."""
 
     @jax.custom_batching.custom_vmap
     def call(base, delta, pages):
-        return pallas_triton.decode_pages(base, delta, pages, loop=loop, interpret=interpret)
+        return pallas_triton.decode_pages(
+            base, delta, pages, loop=loop, interpret=interpret, launch=launch
+        )
 
     @call.def_vmap
     def _rule(axis_size, in_batched, base, delta, pages):
@@ -107,16 +110,20 @@ def _batchable(loop: int, interpret: bool):
     return call
 
 
-def dispatch(cache, kind: str, pages, *, loop: int, backend: str):
+def dispatch(cache, kind: str, pages, *, loop: int, backend: str, launch=None):
     """`decode_pages` for validated arguments: picks the backend and runs it (traceable)."""
-    impl = resolve_backend(backend, config_support(cache.config, kind))
+    config = cache.config
+    impl = resolve_backend(backend, config_support(config, kind))
     base, delta = planes(cache, kind)
     if impl == "xla":
         return xla.decode_pages(base, delta, pages, loop=loop, depth=cache.depth)
-    return _batchable(loop, impl == "pallas_interpret")(base, delta if loop else None, pages)
+    if launch is None:
+        launch = _launch.page_reconstruct(config.page_size, config.head_dim)
+    call = _batchable(loop, impl == "pallas_interpret", launch)
+    return call(base, delta if loop else None, pages)
 
 
-def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto"):
+def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto", launch=None):
     """Loop `loop` of physical pages `pages` of `cache`: [N, page_size, H, D], cache dtype.
 
     Args:
@@ -127,18 +134,22 @@ def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto"):
       loop: static loop index in [0, num_loops).
       backend: "auto" (the Pallas kernel on a supported CUDA GPU and configuration, else
         XLA), "xla", "pallas" (raises ValueError where unsupported) or "pallas_interpret".
+      launch: the kernel's `kvq_jax.kernels.launch.Launch` (None: the rule of
+        `kvq_jax.kernels.launch.page_reconstruct`); ignored by XLA.
 
     Each page is its base decoded, then loop by loop its delta decoded and added in the cache
     dtype (`decode_residual`); every backend gives the same bytes (decoded NaNs as NaN).
     """
     check_cache(cache)  # before jit flattens it: a clear error for a non-cache
-    return _decode_pages(cache, kind, pages, loop=loop, backend=backend)
+    return _decode_pages(
+        cache, kind, pages, loop=loop, backend=backend, launch=_launch.check_launch(launch)
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "loop", "backend"))
-def _decode_pages(cache, kind: str, pages, *, loop: int, backend: str):
+@functools.partial(jax.jit, static_argnames=("kind", "loop", "backend", "launch"))
+def _decode_pages(cache, kind: str, pages, *, loop: int, backend: str, launch):
     """The jitted body of `decode_pages`."""
     config = check_cache(cache)
     loop = checks.check_loop_index(loop, config.num_loops)
     check_kind(kind)
-    return dispatch(cache, kind, _check_pages(pages), loop=loop, backend=backend)
+    return dispatch(cache, kind, _check_pages(pages), loop=loop, backend=backend, launch=launch)

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kvq_jax.kernels import _tile_decode
+from kvq_jax.kernels import launch as _launch
 
 #: PackedKV array fields per format, in the order the kernel takes them.
 FIELDS = _tile_decode.FIELDS
@@ -66,16 +67,15 @@ def _plan(packed):
     return (packed.format, packed.axis, packed.group_size)
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "interpret", "num_warps"))
-def decode_pages(
-    base, delta, pages, *, loop: int, interpret: bool = False, num_warps: int | None = None
-):
+@functools.partial(jax.jit, static_argnames=("loop", "interpret", "launch"))
+def decode_pages(base, delta, pages, *, loop: int, interpret: bool = False, launch=None):
     """Loop `loop` of physical pages `pages` (int32 [N]) -> [N, page_size, H, D].
 
     base: PackedKV with batch shape (P,) (loop 0 of every page); delta: PackedKV with batch
     shape (L - 1, P) or None (needed when loop > 0). Page ids are normalized as XLA indexing
     does (negative ids wrap once, then clamp to [0, P)), so out-of-range ids read the same
-    page as the reference instead of stray memory.
+    page as the reference instead of stray memory. launch: the Triton launch parameters
+    (None: `kvq_jax.kernels.launch.page_reconstruct`).
     """
     ps, h, d = base.shape
     dtype = np.dtype(base.dtype)
@@ -100,7 +100,11 @@ def decode_pages(
     )
     compiler_params = None
     if not interpret:
-        compiler_params = pltriton.CompilerParams(num_warps=num_warps or 2, num_stages=1)
+        if launch is None:
+            launch = _launch.page_reconstruct(ps, d)
+        compiler_params = pltriton.CompilerParams(
+            num_warps=launch.num_warps, num_stages=launch.num_stages
+        )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n, ps, h, d), dtype),

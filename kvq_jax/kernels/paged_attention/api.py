@@ -10,7 +10,8 @@ backend: "xla" (the reference, `xla.py`), "pallas" (the Triton kernel, `pallas_t
 CUDA GPU >= sm80), "pallas_interpret" (the kernel body in Pallas' interpreter, any device),
 "auto" ("pallas" where the device and the configuration allow, else "xla"). num_splits
 (static): splits of each sequence's pages (the kernel's split-K over the context; default
-`default_num_splits`); ignored by "xla".
+`default_num_splits`); launch: the kernel's `kvq_jax.kernels.launch.Launch` (None: the rule of
+`kvq_jax.kernels.launch.paged_attention`); both ignored by "xla".
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from kvq_jax.cache_state import check_cache
 from kvq_jax.core import checks
 from kvq_jax.kernels import backend as _backend
+from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.paged_attention import pallas_triton, xla
 
 #: Head dims and page sizes the kernel takes (powers of two: Triton block shapes; D >= 32
@@ -108,6 +110,7 @@ def paged_decode_attention(
     seq_ids=None,
     backend: str = "auto",
     num_splits: int | None = None,
+    launch=None,
 ):
     """Decode attention of q [B, Hq, D] (one token per sequence) over loop `loop` of the
     quantized paged cache; float32 [B, Hq, D] (see the module doc for the arguments).
@@ -121,13 +124,13 @@ def paged_decode_attention(
     check_cache(cache)  # before jit flattens it: a clear error for a non-cache
     return _paged_decode_attention(
         q, cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids, backend=backend,
-        num_splits=num_splits,
+        num_splits=num_splits, launch=_launch.check_launch(launch),
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "backend", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("loop", "backend", "num_splits", "launch"))
 def _paged_decode_attention(q, cache, block_tables, seq_lens, *, loop, seq_ids, backend,
-                            num_splits):  # fmt: skip
+                            num_splits, launch):  # fmt: skip
     """The jitted body of `paged_decode_attention`."""
     config = check_cache(cache)
     b = checks.check_decode_args(config, q, block_tables, seq_lens, loop, seq_ids)
@@ -147,4 +150,5 @@ def _paged_decode_attention(q, cache, block_tables, seq_lens, *, loop, seq_ids, 
         loop=int(loop),
         num_splits=int(min(num_splits, max_pages)),
         interpret=impl == "pallas_interpret",
+        launch=launch,
     )

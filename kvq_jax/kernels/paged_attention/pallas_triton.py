@@ -36,10 +36,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kvq_jax.core import registry
+from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels._tile_decode import add_in_dtype_tile, decode_tile
 
 #: Query heads per KV head from which scores use pltriton.dot (Triton dots need M, N, K >= 16).
-DOT_MIN_GROUP = 8
+DOT_MIN_GROUP = _launch.DOT_MIN_GROUP
 #: PackedKV array fields per format, in the order the kernel takes them.
 FIELDS = {
     "int4": ("codes", "minimum", "scale"),
@@ -231,11 +232,10 @@ def paged_decode_attention(
     loop: int,
     num_splits: int,
     interpret: bool,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    launch=None,
 ):
-    """The kernel call (arguments already checked by `api`; seq_ids an int32 [B] array).
-    Returns float32 [B, Hq, D]."""
+    """The kernel call (arguments already checked by `api`; seq_ids an int32 [B] array;
+    launch None: `kvq_jax.kernels.launch.paged_attention`). Returns float32 [B, Hq, D]."""
     config = cache.config
     b, hq, d = q.shape
     h, ps = config.num_heads, config.page_size
@@ -298,9 +298,11 @@ def paged_decode_attention(
         pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
         pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
     )
-    params = (
-        None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    )
+    if launch is None:
+        launch = _launch.paged_attention(group, d)
+    params = None
+    if not interpret:
+        params = pltriton.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages)
     acc, m, l_sum = pl.pallas_call(
         kernel,
         grid=(b, h, num_splits),
