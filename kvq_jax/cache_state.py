@@ -29,61 +29,25 @@ loop, from its decoded pages, its staging page and its sink rows.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvq_jax.core.cache_config import PagedCacheConfig
+from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase
 from kvq_jax.packed import PackedKV
 from kvq_jax.registry import get_codec
 
 __all__ = ["PagedCacheConfig", "PagedKVCache", "check_cache", "init_cache", "planes"]
 
-DATA_FIELDS = (
-    "k_base",
-    "v_base",
-    "k_delta",
-    "v_delta",
-    "k_stage",
-    "v_stage",
-    "k_sink",
-    "v_sink",
-    "seq_lens",
-    "depth",
-    "stage_exited",
-)
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PagedKVCache:
-    """The cache state (see the module doc for the fields); `config` is static."""
-
-    k_base: PackedKV
-    v_base: PackedKV
-    k_delta: PackedKV | None
-    v_delta: PackedKV | None
-    k_stage: Any
-    v_stage: Any
-    k_sink: Any
-    v_sink: Any
-    seq_lens: Any
-    depth: Any = None
-    stage_exited: Any = None
-    config: PagedCacheConfig
-
-    @property
-    def storage_bytes(self) -> int:
-        """Bytes of every array held (packed pages, staging, sink rows, lengths)."""
-        leaves = jax.tree.leaves(self)
-        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves)
+class PagedKVCache(PagedCacheBase):
+    """The cache state, jax arrays (see the module doc for the fields); `config` is static."""
 
 
 jax.tree_util.register_dataclass(
-    PagedKVCache, data_fields=list(DATA_FIELDS), meta_fields=["config"]
+    PagedKVCache, data_fields=list(CACHE_FIELDS), meta_fields=["config"]
 )
 
 

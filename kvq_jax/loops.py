@@ -9,7 +9,6 @@ Loops are numbered from 0: `decode_loop(code, loop=l) == decode_loops(code)[l]`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -18,19 +17,15 @@ import jax.numpy as jnp
 
 from kvq_jax.api import pack_kv, unpack_kv
 from kvq_jax.core import checks
-from kvq_jax.core.containers import LoopCodeMixin
+from kvq_jax.core.containers import LoopCodeBase
 from kvq_jax.core.window import Window
-from kvq_jax.packed import PackedKV, WindowedKV
 from kvq_jax.registry import get_codec
-from kvq_jax.residual import KVResidual, decode_residual, encode_residual, gather_rows
+from kvq_jax.residual import decode_residual, encode_residual, gather_rows
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoopCode(LoopCodeMixin):
-    """A packed loop stack: `base` (loop 0) and one `KVResidual` per later loop."""
-
-    base: PackedKV | WindowedKV
-    residuals: tuple[KVResidual, ...]
+class LoopCode(LoopCodeBase):
+    """A packed loop stack of jax arrays: `base` (loop 0) and one `KVResidual` per later
+    loop."""
 
 
 jax.tree_util.register_dataclass(LoopCode, data_fields=["base", "residuals"], meta_fields=[])

@@ -12,9 +12,7 @@ This layer sits above the codecs and works with any registered format.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,32 +21,13 @@ import numpy as np
 from kvq_jax._numerics import add_in_dtype, subtract_in_dtype
 from kvq_jax.api import pack_kv, unpack_kv
 from kvq_jax.core import checks, rows
-from kvq_jax.core.containers import KVResidualMixin
+from kvq_jax.core.containers import KVResidualBase
 from kvq_jax.core.window import Window, check_window
-from kvq_jax.packed import PackedKV
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KVResidual(KVResidualMixin):
-    """One loop stored as a delta against the reconstructed previous loop.
-
-    payload:   PackedKV of the delta of the quantized rows, [M, H, D].
-    positions: int32 [N] rows of [0, T) this residual owns (None: dense, every row).
-    head/tail: raw rows of the current loop kept by the window (None without a window),
-               [h, H, D] and [t, H, D] in the input dtype.
-    shape:     (T, H, D) of the full loop.
-    window:    the Window, or None.
-
-    Dense without window M = T; sparse M = N; a window takes h rows from the front and t rows
-    from the back of the (compact) rows before the rest is packed.
-    """
-
-    payload: PackedKV
-    positions: Any = None
-    head: Any = None
-    tail: Any = None
-    shape: tuple[int, int, int]
-    window: Window | None = None
+class KVResidual(KVResidualBase):
+    """One loop as a packed delta against the reconstructed previous loop, jax arrays
+    (fields: `kvq_jax.core.containers.KVResidualBase`)."""
 
 
 jax.tree_util.register_dataclass(

@@ -7,30 +7,24 @@ bytes are the same.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
 from kvq_jax.core import checks
-from kvq_jax.core.containers import LoopCodeMixin
+from kvq_jax.core.containers import LoopCodeBase
 from kvq_jax.core.window import Window
 from kvq_torch_bridge._dtypes import meta
 from kvq_torch_bridge.api import pack_kv, unpack_kv
-from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
 from kvq_torch_bridge.registry import get_codec
 from kvq_torch_bridge.residual import decode_residual, encode_residual
 
 __all__ = ["LoopCode", "decode_loop", "decode_loops", "encode_loops"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoopCode(LoopCodeMixin):
-    """A packed loop stack: `base` (loop 0) and one `KVResidual` per later loop."""
-
-    base: PackedKV | WindowedKV
-    residuals: tuple[KVResidual, ...]
+class LoopCode(LoopCodeBase):
+    """A packed loop stack of torch tensors: `base` (loop 0) and one `KVResidual` per later
+    loop."""
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -10,50 +10,24 @@ across stacks; `torch_dtype` gives the torch dtype. Every class is registered as
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
-import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
 from kvq_jax.core.containers import (
     ARRAY_FIELDS,
     META_FIELDS,
-    KVResidualMixin,
-    PackedKVMixin,
-    WindowedKVMixin,
+    KVResidualBase,
+    PackedKVBase,
+    WindowedKVBase,
 )
-from kvq_jax.core.window import Window
 from kvq_torch_bridge._dtypes import torch_dtype
 
 __all__ = ["KVResidual", "PackedKV", "WindowedKV", "register_pytree"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PackedKV(PackedKVMixin):
-    """A packed KV tensor of logical shape `shape` = (T, H, D) and input dtype `dtype`.
-
-    Array fields by format (docs/FORMAT.md); unused ones are None:
-      int4:     codes uint8 [T, H, ceil(D/2)], minimum / scale float16 [metadata shape]
-      nvfp4:    codes uint8 [T, H, ceil(D/2)], block_scale float8_e4m3fn [metadata shape],
-                global_scale float32 []
-      fp8_e4m3: codes float8_e4m3fn [T, H, D], scale float32 [T, H]
-    metadata shape: [ceil(T/G), H, D] for axis "tokens", [T, H, ceil(D/G)] for "channels".
-    Arrays are contiguous torch tensors on the device of the packed input.
-    """
-
-    codes: Any
-    minimum: Any = None
-    scale: Any = None
-    block_scale: Any = None
-    global_scale: Any = None
-    format: str
-    kind: str
-    axis: str
-    group_size: int
-    shape: tuple[int, int, int]
-    dtype: np.dtype
+class PackedKV(PackedKVBase):
+    """A packed KV tensor of contiguous torch tensors on the device of the packed input
+    (fields: `kvq_jax.core.containers.PackedKVBase`)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -65,43 +39,16 @@ class PackedKV(PackedKVMixin):
         return self.codes.device
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class WindowedKV(WindowedKVMixin):
-    """A [T, H, D] tensor whose window rows are stored raw and whose middle rows are packed.
-
-    head: [h, H, D] and tail: [t, H, D] in the input dtype (h = min(sink, T),
-    t = min(recent, T - h)); middle: PackedKV of the [T - h - t, H, D] middle rows.
-    """
-
-    head: Any
-    tail: Any
-    middle: PackedKV
-    window: Window
-    shape: tuple[int, int, int]
+class WindowedKV(WindowedKVBase):
+    """Raw window rows around a packed middle, torch tensors (`WindowedKVBase`)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return self.middle.torch_dtype
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KVResidual(KVResidualMixin):
-    """One loop stored as a delta against the reconstructed previous loop.
-
-    payload:   PackedKV of the delta of the quantized rows, [M, H, D].
-    positions: int32 [N] rows of [0, T) this residual owns (None: dense, every row).
-    head/tail: raw rows of the current loop kept by the window (None without a window),
-               [h, H, D] and [t, H, D] in the input dtype.
-    shape:     (T, H, D) of the full loop.
-    window:    the `kvq_jax.Window`, or None.
-    """
-
-    payload: PackedKV
-    positions: Any = None
-    head: Any = None
-    tail: Any = None
-    shape: tuple[int, int, int]
-    window: Window | None = None
+class KVResidual(KVResidualBase):
+    """One loop as a packed delta, torch tensors (`KVResidualBase`)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:

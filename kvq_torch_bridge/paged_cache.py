@@ -19,13 +19,13 @@ same bytes (a sequence swapped out of one stack swaps into the other).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
+from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase
 from kvq_jax.core.offload import HostSequence
 from kvq_torch_bridge._dtypes import BITS, from_numpy, meta, to_numpy, torch_dtype
 from kvq_torch_bridge._numerics import add_in_dtype, subtract_in_dtype
@@ -50,50 +50,16 @@ __all__ = [
     "swap_out",
 ]
 
-_DATA_FIELDS = (
-    "k_base",
-    "v_base",
-    "k_delta",
-    "v_delta",
-    "k_stage",
-    "v_stage",
-    "k_sink",
-    "v_sink",
-    "seq_lens",
-    "depth",
-    "stage_exited",
-)
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PagedKVCache:
-    """The cache state, torch tensors (fields as `kvq_jax.paged_cache.PagedKVCache`)."""
-
-    k_base: PackedKV
-    v_base: PackedKV
-    k_delta: PackedKV | None
-    v_delta: PackedKV | None
-    k_stage: Any
-    v_stage: Any
-    k_sink: Any
-    v_sink: Any
-    seq_lens: Any
-    depth: Any = None
-    stage_exited: Any = None
-    config: PagedCacheConfig
+class PagedKVCache(PagedCacheBase):
+    """The cache state, torch tensors (`kvq_jax.cache_state` documents the fields)."""
 
     @property
     def device(self) -> torch.device:
         return self.seq_lens.device
 
-    @property
-    def storage_bytes(self) -> int:
-        """Bytes of every tensor held (packed pages, staging, sink rows, lengths)."""
-        leaves = torch.utils._pytree.tree_leaves(self)
-        return sum(a.numel() * a.element_size() for a in leaves)
 
-
-register_pytree(PagedKVCache, _DATA_FIELDS, ("config",))
+register_pytree(PagedKVCache, CACHE_FIELDS, ("config",))
 
 
 def _empty_packed(config: PagedCacheConfig, spec: dict, batch: tuple, device) -> PackedKV:

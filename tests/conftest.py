@@ -1,6 +1,13 @@
-"""Shared pytest options: --run-gpu runs CUDA cases, --run-slow runs long ones."""
+"""Shared pytest options: --run-gpu runs CUDA cases, --run-slow runs long ones.
+
+Without --run-gpu the suite runs on the CPU (JAX_PLATFORMS=cpu unless set): with the CUDA
+plugin installed (the `cuda-compile` extra, for the deviceless `cuda_compile` tests) JAX would
+otherwise try, and fail, to start a CUDA backend on a machine without a GPU.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -8,6 +15,11 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption("--run-gpu", action="store_true", help="run tests that need a CUDA GPU")
     parser.addoption("--run-slow", action="store_true", help="run slow tests")
+
+
+def pytest_configure(config):
+    if not config.getoption("--run-gpu"):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before any test module imports jax
 
 
 def pytest_collection_modifyitems(config, items):

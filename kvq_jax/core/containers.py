@@ -1,13 +1,20 @@
-"""Framework-neutral behaviour of the packed containers, shared by the JAX and Torch classes.
+"""The packed containers' fields and storage accounting, shared by the JAX and Torch classes.
 
-Each stack defines its own frozen dataclasses (JAX pytrees of jax.Arrays, torch pytrees of
-tensors) with the same field names and static metadata; the accounting below only reads
-shapes and dtypes, so one implementation serves both.
+Each container is one frozen dataclass here (its fields, static metadata and the accounting,
+which reads shapes and dtypes only); each stack subclasses it to register it as its pytree
+(JAX: `jax.tree_util.register_dataclass`; Torch: `torch.utils._pytree`) holding its arrays.
+The classes of the two stacks stay distinct types (the DLPack bridge maps one onto the other).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
+
+import numpy as np
+
+from kvq_jax.core.window import Window
 
 #: Array fields a PackedKV may hold; each format uses a subset (its layout's array_fields).
 ARRAY_FIELDS = ("codes", "minimum", "scale", "block_scale", "global_scale")
@@ -26,8 +33,31 @@ def _bits(storage_bytes: int, num_elements: int) -> float:
     return storage_bytes * 8 / num_elements if num_elements else float("nan")
 
 
-class PackedKVMixin:
-    """Accounting of one packed [T, H, D] tensor (arrays may carry leading batch axes)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PackedKVBase:
+    """A packed KV tensor of logical shape `shape` = (T, H, D) and input dtype `dtype`.
+
+    Array fields by format (docs/FORMAT.md); unused ones are None:
+      int4:     codes uint8 [T, H, ceil(D/2)], minimum / scale float16 [metadata shape]
+      nvfp4:    codes uint8 [T, H, ceil(D/2)], block_scale float8_e4m3fn [metadata shape],
+                global_scale float32 []
+      fp8_e4m3: codes float8_e4m3fn [T, H, D], scale float32 [T, H]
+    metadata shape: [ceil(T/G), H, D] for axis "tokens", [T, H, ceil(D/G)] for "channels".
+    Under `jax.vmap`, paging or stacking the arrays gain leading batch axes; the static
+    metadata stays per example.
+    """
+
+    codes: Any
+    minimum: Any = None
+    scale: Any = None
+    block_scale: Any = None
+    global_scale: Any = None
+    format: str
+    kind: str
+    axis: str
+    group_size: int
+    shape: tuple[int, int, int]
+    dtype: np.dtype
 
     @property
     def arrays(self) -> dict:
@@ -77,8 +107,19 @@ class _Derived:
         return _bits(self.storage_bytes, self.num_elements)
 
 
-class WindowedKVMixin(_Derived):
-    """Raw window rows (head, tail) plus a packed middle."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WindowedKVBase(_Derived):
+    """A [T, H, D] tensor whose window rows are stored raw and whose middle rows are packed.
+
+    head: [h, H, D] and tail: [t, H, D] in the input dtype (h = min(sink, T),
+    t = min(recent, T - h)); middle: the PackedKV of the [T - h - t, H, D] middle rows.
+    """
+
+    head: Any
+    tail: Any
+    middle: Any
+    window: Window
+    shape: tuple[int, int, int]
 
     @property
     def _inner(self):
@@ -90,8 +131,27 @@ class WindowedKVMixin(_Derived):
         return nbytes(self.head) + nbytes(self.tail) + self.middle.storage_bytes
 
 
-class KVResidualMixin(_Derived):
-    """A packed delta plus its position map and raw window rows."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVResidualBase(_Derived):
+    """One loop stored as a delta against the reconstructed previous loop.
+
+    payload:   PackedKV of the delta of the quantized rows, [M, H, D].
+    positions: int32 [N] rows of [0, T) this residual owns (None: dense, every row).
+    head/tail: raw rows of the current loop kept by the window (None without a window),
+               [h, H, D] and [t, H, D] in the input dtype.
+    shape:     (T, H, D) of the full loop.
+    window:    the Window, or None.
+
+    Dense without window M = T; sparse M = N; a window takes h rows from the front and t rows
+    from the back of the (compact) rows before the rest is packed.
+    """
+
+    payload: Any
+    positions: Any = None
+    head: Any = None
+    tail: Any = None
+    shape: tuple[int, int, int]
+    window: Window | None = None
 
     @property
     def _inner(self):
@@ -104,8 +164,12 @@ class KVResidualMixin(_Derived):
         return self.payload.storage_bytes + extra
 
 
-class LoopCodeMixin:
-    """A base plus one residual per later loop."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopCodeBase:
+    """A packed loop stack: `base` (loop 0) and one residual per later loop."""
+
+    base: Any
+    residuals: tuple
 
     @property
     def num_loops(self) -> int:
@@ -132,3 +196,50 @@ class LoopCodeMixin:
     @property
     def bits_per_element(self) -> float:
         return _bits(self.storage_bytes, self.num_elements)
+
+
+#: The array fields of a paged cache (`PagedCacheBase`), in pytree order.
+CACHE_FIELDS = (
+    "k_base",
+    "v_base",
+    "k_delta",
+    "v_delta",
+    "k_stage",
+    "v_stage",
+    "k_sink",
+    "v_sink",
+    "seq_lens",
+    "depth",
+    "stage_exited",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedCacheBase:
+    """A paged cache's arrays (`kvq_jax.cache_state` documents each field) and its static
+    `PagedCacheConfig`."""
+
+    k_base: Any
+    v_base: Any
+    k_delta: Any
+    v_delta: Any
+    k_stage: Any
+    v_stage: Any
+    k_sink: Any
+    v_sink: Any
+    seq_lens: Any
+    depth: Any = None
+    stage_exited: Any = None
+    config: Any
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of every array held (packed pages, staging, sink rows, lengths, exits)."""
+        total = 0
+        for name in CACHE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, PackedKVBase):
+                total += value.storage_bytes
+            else:
+                total += nbytes(value)
+        return total
