@@ -174,9 +174,9 @@ class TestXLA(ReconstructBase):
     backend = "xla"
 
 
-def _skip_last_residual(base, delta, pages, *, loop):
+def _skip_last_residual(base, delta, pages, *, loop, depth=None):
     """A planted defect in the XLA path: one residual step too few."""
-    return _XLA_DECODE(base, delta, pages, loop=max(loop - 1, 0))
+    return _XLA_DECODE(base, delta, pages, loop=max(loop - 1, 0), depth=depth)
 
 
 _XLA_DECODE = page_reconstruct_xla.decode_pages
@@ -263,7 +263,7 @@ def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
         fn = functools.partial(pallas_triton.decode_pages, loop=loop, interpret=False)
         pages = spec.page_ids(8)
     else:
-        fn = jax.vmap(api._batchable(loop, False), in_axes=(None, None, 0))
+        fn = jax.vmap(api._batchable(loop, False, None), in_axes=(None, None, 0))
         pages = jax.ShapeDtypeStruct((batch, 8), jnp.int32)
     lowered = jax.jit(fn).trace(base, delta, pages).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
