@@ -294,7 +294,7 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
     out = tmp_path / "gen.json"
     args = ["generate", "--model", str(ouro_dir), "--policy", "int4-g16+win", "--prompt-ids",
             "5,6,7,8,9,10,11", "--max-new-tokens", "5", "--page-size", "16", "--loops", "2",
-            "--compare", "bf16", "--dtype", "float32", "--json", str(out)]  # fmt: skip
+            "--compare", "bf16", "--dtype", "bfloat16", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "prefill" in text and "decode" in text and "KV bytes/token" in text
@@ -311,7 +311,7 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
     [
         (["--policy", "int3"], "unknown policy"),
         (["--prompt-ids", ",".join(["5"] * 200)], "prompt too long"),
-        (["--num-pages", "1"], "prompt too long"),
+        (["--num-pages", "1", "--prompt-ids", ",".join(["5"] * 20)], "whole pool of 16"),
         (["--model", "/nonexistent"], "model '/nonexistent'"),
     ],
 )
