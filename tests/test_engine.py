@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import json
 
@@ -30,7 +29,7 @@ import numpy as np
 import pytest
 
 from kvq_jax import paged_cache
-from kvq_jax.engine import Engine, prefill_attention
+from kvq_jax.engine import Engine
 from kvq_jax.kernels.page_pack.api import pack_paged
 from kvq_jax.models import Model, ModelConfig, llama, ouro
 
@@ -158,7 +157,8 @@ def _model_kv(model, prompt, loops, page_size, num_pages):
     """K, V [num_layers][num_loops] ([1, T, H, D] each) the model produced for `prompt` in one
     prefill chunk, read back from the bf16 engine's raw store (exactly what it appended)."""
     engine = Engine(model, "bf16", num_pages=num_pages, page_size=page_size, max_seqs=1,
-                    max_pages_per_seq=num_pages, prefill_chunk=len(prompt), loops=loops)  # fmt: skip
+                    max_pages_per_seq=num_pages, prefill_chunk=len(prompt),
+                    loops=loops)  # fmt: skip
     engine.add_request(prompt, max_new_tokens=1)
     t = len(prompt)
     out = []
@@ -249,14 +249,14 @@ def test_stop_ids(tiny_llama):
 
 
 def test_bad_inputs_leave_the_engine_usable(tiny_llama):
-    with pytest.raises(ValueError, match="unknown policy 'int3'.*known: bf16"):
+    with pytest.raises(ValueError, match=r"unknown policy 'int3'.*known: bf16"):
         _engine(tiny_llama, "int3")
     with pytest.raises(ValueError, match="group_size 64 must divide page_size 16"):
         _engine(tiny_llama, "int4-g64")
     engine = _engine(tiny_llama, "int4-g16", num_pages=6, max_pages_per_seq=8)
-    with pytest.raises(ValueError, match="prompt too long: 120 prompt .* a sequence's 128"):
+    with pytest.raises(ValueError, match=r"prompt too long: 120 prompt .* a sequence's 128"):
         engine.add_request(prompt_of(120), max_new_tokens=10)
-    with pytest.raises(ValueError, match="prompt too long: 90 prompt .* whole pool of 96"):
+    with pytest.raises(ValueError, match=r"prompt too long: 90 prompt .* whole pool of 96"):
         engine.add_request(prompt_of(90), max_new_tokens=10)
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.add_request([], max_new_tokens=1)

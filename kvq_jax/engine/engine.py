@@ -150,7 +150,7 @@ def _raw_read(store: RawPagedStore, tables, seq_ids, loop):
     """All rows of slots seq_ids: k, v [B, M * page_size, H, D] (rows past a length: junk)."""
     num_pages = store.k.shape[1]
     rows = jnp.clip(tables.at[seq_ids].get(mode="fill", fill_value=0), 0, num_pages - 1)
-    b, m = rows.shape
+    b = rows.shape[0]
     k = store.k[loop][rows].reshape(b, -1, *store.k.shape[-2:])
     v = store.v[loop][rows].reshape(b, -1, *store.v.shape[-2:])
     return k, v
@@ -225,9 +225,7 @@ def _select(config, loop_logits, gates):
     return chosen, exit_loop
 
 
-@functools.partial(
-    jax.jit, static_argnames=("config", "backend"), donate_argnames=("caches",)
-)
+@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("caches",))
 def _prefill(params, caches, tokens, start, tables, seq_ids, *, config, backend):
     """tokens [B, T] at positions start[b] .. + T -> (logits of each row's last token [B, V],
     exit loops [B], caches)."""
@@ -251,9 +249,7 @@ def _prefill(params, caches, tokens, start, tables, seq_ids, *, config, backend)
     return logits, exit_loop, tuple(caches)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("config", "backend"), donate_argnames=("caches",)
-)
+@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("caches",))
 def _decode(params, caches, tokens, positions, tables, *, config, backend):
     """One token per slot (all max_seqs slots; tokens, positions [S]) -> (logits [S, V], exit
     loops [S], caches)."""
@@ -388,8 +384,9 @@ class Engine:
         else:
             self.cache_config = None
             self.caches = tuple(
-                RawPagedStore.empty(config.num_loops, num_pages, page_size, *dims.values(),
-                                    self.dtype)  # fmt: skip
+                RawPagedStore.empty(
+                    config.num_loops, num_pages, page_size, *dims.values(), self.dtype
+                )
                 for _ in range(config.num_layers)
             )
         eos = config.eos_token_id
@@ -559,7 +556,9 @@ class Engine:
         logits = exit_loop = None
         while start < len(prompt):
             rest = len(prompt) - start
-            size = self.prefill_chunk if rest >= self.prefill_chunk else 1 << (rest.bit_length() - 1)
+            size = (
+                self.prefill_chunk if rest >= self.prefill_chunk else 1 << (rest.bit_length() - 1)
+            )
             tokens = jnp.asarray(prompt[None, start : start + size])
             logits, exit_loop, self.caches = _prefill(
                 self.params, self.caches, tokens, jnp.asarray([start], jnp.int32), tables,
@@ -596,7 +595,9 @@ class Engine:
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["decode_tokens"] += len(slots)
         exit_loops = np.asarray(exit_loops)
-        logits_host = np.asarray(logits) if any(self.running[i].keep_logits for i in slots) else None
+        logits_host = (
+            np.asarray(logits) if any(self.running[i].keep_logits for i in slots) else None
+        )
         for j, slot in enumerate(slots):
             r = self.running[slot]
             self._record(r, next_tokens[j], exit_loops[slot],

@@ -54,7 +54,8 @@ def _prompt_ids(args, model) -> list[int]:
         try:
             return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
-            raise _Error(f"--prompt-ids must be comma-separated ints, got {args.prompt_ids!r}")
+            bad = args.prompt_ids
+            raise _Error(f"--prompt-ids must be comma-separated ints, got {bad!r}") from None
     if model.tokenizer is None:
         raise _Error("the model has no tokenizer: pass --prompt-ids")
     return list(model.tokenizer.encode(args.prompt))
