@@ -575,6 +575,8 @@ class Engine:
         """One token for every running sequence (all slots computed, see the module doc)."""
         import time
 
+        if not self.running:
+            return []
         s = self.max_seqs
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
