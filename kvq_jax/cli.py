@@ -48,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="array type handed to PACK (default numpy)",
     )
     conf.add_argument("--vectors", default=None, help="a vectors file (default: the shipped one)")
+    from kvq_jax.engine import generate
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate with the engine under a KV policy (tokens/s, KV bytes)",
+        description=generate.DESCRIPTION,
+    )
+    generate.add_arguments(gen)
     return parser
 
 
@@ -130,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(args)
     if args.command == "conformance":
         return conformance(args)
+    if args.command == "generate":
+        from kvq_jax.engine import generate
+
+        return generate.run(args)
     return 2  # unreachable: argparse rejects unknown commands
 
 

@@ -1,0 +1,32 @@
+"""Generation engine: a model (`kvq_jax.models`) over per-layer quantized paged KV caches.
+
+`Engine(model, policy, num_pages=, page_size=, max_seqs=, max_pages_per_seq=)` owns one
+`PagedKVCache` per layer (all loops of that layer) and a `PageAllocator`; jitted prefill and
+decode steps with the caches donated; greedy / temperature / top-k sampling with explicit PRNG
+keys; continuous batching. See `kvq_jax.engine.engine` for what attention reads, and
+`kvq_jax.engine.generate` for `kvq generate`.
+
+Lazy: importing the package (as `kvq --help` does for `generate`'s options) loads no JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = (
+    "Engine",
+    "RawPagedStore",
+    "Request",
+    "cache_config_for",
+    "prefill_attention",
+    "resolve_policy",
+    "sample",
+)
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module("kvq_jax.engine.engine"), name)
+    raise AttributeError(f"module 'kvq_jax.engine' has no attribute {name!r}")

