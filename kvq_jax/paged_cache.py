@@ -347,9 +347,8 @@ def _gather(cache, *, seq_id, seq_len, block_table, loop, backend):
 def _fork(cache, parent, child, num_tokens):
     ps = cache.config.page_size
     updates = {}
-    for name in ("k_stage", "v_stage", "k_sink", "v_sink", "stage_exited"):
-        a = getattr(cache, name)
-        if a is None:
+    for name, a in cache.slot_arrays():
+        if name == "seq_lens":
             continue
         rows = a[:, parent]  # [L, rows, ...]
         limit = num_tokens if name.endswith("sink") else num_tokens % ps
@@ -377,15 +376,11 @@ def fork(cache: PagedKVCache, *, parent, child, num_tokens) -> PagedKVCache:
     return _FORK(cache, jnp.int32(parent), jnp.int32(child), jnp.int32(num_tokens))
 
 
-_ROW_FIELDS = ("k_stage", "v_stage", "k_sink", "v_sink", "seq_lens", "stage_exited")
-
-
 def _clear_slot(cache, slot):
-    updates = {}
-    for name in _ROW_FIELDS:
-        a = getattr(cache, name)
-        if a is not None:
-            updates[name] = _set(a, (slice(None), slot), jnp.zeros((), a.dtype))
+    updates = {
+        name: _set(a, (slice(None), slot), jnp.zeros((), a.dtype))
+        for name, a in cache.slot_arrays()
+    }
     return dataclasses.replace(cache, **updates)
 
 
@@ -403,21 +398,8 @@ def clear_slot(cache: PagedKVCache, *, slot) -> PagedKVCache:
 
 @jax.jit
 def _take_sequence(cache, slot, pages):
-    arrays = {}
-    for plane in ("k_base", "v_base"):
-        for field, a in getattr(cache, plane).arrays.items():
-            arrays[f"{plane}.{field}"] = a[pages]
-    for plane in ("k_delta", "v_delta"):
-        packed = getattr(cache, plane)
-        if packed is not None:
-            for field, a in packed.arrays.items():
-                arrays[f"{plane}.{field}"] = a[:, pages]
-    for name in _ROW_FIELDS:
-        a = getattr(cache, name)
-        if a is not None:
-            arrays[name] = a[:, slot]
-    if cache.depth is not None:
-        arrays["depth"] = cache.depth[pages]
+    arrays = {name: jnp.take(a, pages, axis=axis) for name, axis, a in cache.page_arrays()}
+    arrays.update((name, a[:, slot]) for name, a in cache.slot_arrays())
     return arrays
 
 
@@ -426,7 +408,7 @@ def swap_out(cache: PagedKVCache, *, slot, pages) -> HostSequence:
     staging and sink rows and lengths) to host memory. The cache is not changed; free the
     slot and pages with the allocator afterwards."""
     config = check_cache(cache)
-    pages = np.asarray(pages, np.int32)
+    pages = checks.check_page_ids(config, pages)
     if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
         raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
     arrays = jax.device_get(_take_sequence(cache, jnp.int32(slot), jnp.asarray(pages)))
@@ -434,23 +416,20 @@ def swap_out(cache: PagedKVCache, *, slot, pages) -> HostSequence:
 
 
 def _put_sequence(cache, arrays, slot, pages):
+    new = {
+        name: _set(a, (pages,) if axis == 0 else (slice(None), pages), arrays[name])
+        for name, axis, a in cache.page_arrays()
+    }
+    new.update(
+        (name, _set(a, (slice(None), slot), arrays[name])) for name, a in cache.slot_arrays()
+    )
     updates = {}
     for plane in ("k_base", "v_base", "k_delta", "v_delta"):
         packed = getattr(cache, plane)
-        if packed is None:
-            continue
-        lead = (pages,) if plane.endswith("base") else (slice(None), pages)
-        updates[plane] = dataclasses.replace(
-            packed,
-            **{f: _set(a, lead, arrays[f"{plane}.{f}"]) for f, a in packed.arrays.items()},
-        )
-    for name in _ROW_FIELDS:
-        a = getattr(cache, name)
-        if a is not None:
-            updates[name] = _set(a, (slice(None), slot), arrays[name])
-    if cache.depth is not None:
-        updates["depth"] = _set(cache.depth, pages, arrays["depth"])
-    return dataclasses.replace(cache, **updates)
+        if packed is not None:
+            fields = {f: new.pop(f"{plane}.{f}") for f in packed.arrays}
+            updates[plane] = dataclasses.replace(packed, **fields)
+    return dataclasses.replace(cache, **updates, **new)
 
 
 _PUT_SEQUENCE = jax.jit(_put_sequence, donate_argnames=("cache",))

@@ -439,9 +439,8 @@ def fork(cache: PagedKVCache, *, parent: int, child: int, num_tokens: int) -> Pa
     config = _check_cache(cache)
     ps = config.page_size
     device = cache.device
-    for name in ("k_stage", "v_stage", "k_sink", "v_sink", "stage_exited"):
-        a = getattr(cache, name)
-        if a is None:
+    for name, a in cache.slot_arrays():
+        if name == "seq_lens":
             continue
         rows = a[:, parent].clone()
         limit = num_tokens % ps if name != "k_sink" and name != "v_sink" else num_tokens
@@ -457,21 +456,12 @@ def swap_out(cache: PagedKVCache, *, slot: int, pages) -> HostSequence:
     """Copy sequence `slot` (its physical `pages` in logical order, every loop plane, its
     staging and sink rows and lengths) to host memory (`kvq_jax.paged_cache.swap_out`)."""
     config = _check_cache(cache)
-    index = _index_tensor(np.asarray(pages, np.int32), cache.device).to(torch.int64)
-    arrays = {}
-    for plane in ("k_base", "v_base", "k_delta", "v_delta"):
-        packed = getattr(cache, plane)
-        if packed is None:
-            continue
-        dim = 0 if plane.endswith("base") else 1
-        for field, a in packed.arrays.items():
-            arrays[f"{plane}.{field}"] = a.index_select(dim, index)
-    for name in _ROW_FIELDS:
-        a = getattr(cache, name)
-        if a is not None:
-            arrays[name] = a[:, slot]
-    if cache.depth is not None:
-        arrays["depth"] = cache.depth.index_select(0, index)
+    pages = checks.check_page_ids(config, pages)
+    if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
+        raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
+    index = torch.from_numpy(pages.astype(np.int64)).to(cache.device)
+    arrays = {name: a.index_select(axis, index) for name, axis, a in cache.page_arrays()}
+    arrays.update((name, a[:, slot]) for name, a in cache.slot_arrays())
     return HostSequence(config=config, arrays={k: to_numpy(a) for k, a in arrays.items()})
 
 
@@ -483,23 +473,10 @@ def swap_in(cache: PagedKVCache, sequence: HostSequence, *, slot: int, pages) ->
     pages = checks.check_swap_in(config, sequence, slot, pages)
     device = cache.device
     index = torch.from_numpy(pages.astype(np.int64)).to(device)
-
-    def tensor(name):
-        return from_numpy(sequence.arrays[name], device)
-
-    for plane in ("k_base", "v_base", "k_delta", "v_delta"):
-        packed = getattr(cache, plane)
-        if packed is None:
-            continue
-        dim = 0 if plane.endswith("base") else 1
-        for field, a in packed.arrays.items():
-            _index_copy_(a, dim, index, tensor(f"{plane}.{field}"))
-    for name in _ROW_FIELDS:
-        a = getattr(cache, name)
-        if a is not None:
-            a[:, slot] = tensor(name)
-    if cache.depth is not None:
-        _index_copy_(cache.depth, 0, index, tensor("depth"))
+    for name, axis, a in cache.page_arrays():
+        _index_copy_(a, axis, index, from_numpy(sequence.arrays[name], device))
+    for name, a in cache.slot_arrays():
+        a[:, slot] = from_numpy(sequence.arrays[name], device)
     return cache
 
 
@@ -509,19 +486,14 @@ def _index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, values: torch
     dst.view(bits).index_copy_(dim, index, values.to(dst.dtype).view(bits))
 
 
-_ROW_FIELDS = ("k_stage", "v_stage", "k_sink", "v_sink", "seq_lens", "stage_exited")
-
-
 @torch.no_grad()
 def clear_slot(cache: PagedKVCache, *, slot: int) -> PagedKVCache:
     """Empty sequence slot `slot` in place (`kvq_jax.paged_cache.clear_slot`); returns `cache`."""
     config = _check_cache(cache)
     if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
         raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
-    for name in _ROW_FIELDS:
-        a = getattr(cache, name)
-        if a is not None:
-            a[:, slot] = 0
+    for _, a in cache.slot_arrays():
+        a[:, slot] = 0
     return cache
 
 

@@ -402,6 +402,20 @@ def host_check_fork(config, seq_lens, parent, child, num_tokens) -> None:
         )
 
 
+def check_page_ids(config, pages) -> np.ndarray:
+    """Distinct integer physical page ids in [0, num_pages) (a host array); returns int32."""
+    pages = np.asarray(pages)
+    if pages.ndim != 1 or pages.dtype.kind not in "iu":
+        raise ValueError(
+            f"pages must be a rank-1 integer array, got {pages.dtype}{list(pages.shape)}"
+        )
+    if pages.size and (pages.min() < 0 or pages.max() >= config.num_pages):
+        raise ValueError(f"pages must lie in [0, {config.num_pages}), got {pages.tolist()}")
+    if len(set(pages.tolist())) != pages.size:
+        raise ValueError(f"pages must be distinct, got {pages.tolist()}")
+    return pages.astype(np.int32)
+
+
 def check_swap_in(config, sequence, slot, pages) -> np.ndarray:
     """A `HostSequence` of this configuration, a slot in range and one distinct in-range
     physical page per page it holds; returns the pages as int32."""
@@ -416,10 +430,7 @@ def check_swap_in(config, sequence, slot, pages) -> np.ndarray:
             f"pages must be {sequence.num_pages} integer page ids (one per page the sequence "
             f"holds), got {pages.dtype}{list(pages.shape)}"
         )
-    if pages.size and (pages.min() < 0 or pages.max() >= config.num_pages):
-        raise ValueError(f"pages must lie in [0, {config.num_pages}), got {pages.tolist()}")
-    if len(set(pages.tolist())) != pages.size:
-        raise ValueError(f"pages must be distinct, got {pages.tolist()}")
+    pages = check_page_ids(config, pages)
     if not is_int(slot) or not 0 <= slot < config.max_seqs:
         raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
     return pages.astype(np.int32)

@@ -214,6 +214,10 @@ CACHE_FIELDS = (
 )
 
 
+#: The per-slot arrays of a paged cache ([L, S, ...]: a sequence's are `a[:, slot]`).
+SLOT_FIELDS = ("k_stage", "v_stage", "k_sink", "v_sink", "seq_lens", "stage_exited")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PagedCacheBase:
     """A paged cache's arrays (`kvq_jax.cache_state` documents each field) and its static
@@ -231,6 +235,25 @@ class PagedCacheBase:
     depth: Any = None
     stage_exited: Any = None
     config: Any
+
+    def page_arrays(self):
+        """(name, page axis, array) of every array indexed by physical page: the packed
+        planes' fields ("k_base.codes", ...; axis 0 for base, 1 for the [L - 1, P] deltas) and
+        the exit depth map."""
+        for plane in ("k_base", "v_base", "k_delta", "v_delta"):
+            packed = getattr(self, plane)
+            if packed is not None:
+                axis = 0 if plane.endswith("base") else 1
+                for field, a in packed.arrays.items():
+                    yield f"{plane}.{field}", axis, a
+        if self.depth is not None:
+            yield "depth", 0, self.depth
+
+    def slot_arrays(self):
+        """(name, array) of every per-slot array present (`SLOT_FIELDS`)."""
+        for name in SLOT_FIELDS:
+            if getattr(self, name) is not None:
+                yield name, getattr(self, name)
 
     @property
     def storage_bytes(self) -> int:
