@@ -193,7 +193,8 @@ def _swap_rows(fmt, n, warmup, repeats) -> list[dict]:
     timed = {
         # Plain copies of the same bytes: device -> a new host array, host -> device.
         "copy (device->host)": lambda: np.array(jax.device_get(flat), copy=True),
-        "copy (host->device)": lambda: jax.device_put(flat_host),
+        # (XLA:CPU may alias an aligned host buffer instead of copying it: copy it first.)
+        "copy (host->device)": lambda: jax.device_put(flat_host.copy()),
         "swap out": lambda: swap_out(box[0], slot=slot, pages=pages),
         "swap in": swap_back,
     }

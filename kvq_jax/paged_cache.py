@@ -411,8 +411,17 @@ def swap_out(cache: PagedKVCache, *, slot, pages) -> HostSequence:
     pages = checks.check_page_ids(config, pages)
     if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
         raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
-    arrays = jax.device_get(_take_sequence(cache, jnp.int32(slot), jnp.asarray(pages)))
+    if _on_cpu(cache):
+        # The host already holds the buffers (device_get is a view): one gather, in NumPy.
+        arrays = {n: np.take(np.asarray(a), pages, axis) for n, axis, a in cache.page_arrays()}
+        arrays.update((n, np.array(a[:, slot])) for n, a in cache.slot_arrays())
+    else:  # gather on the device, then move only the sequence's bytes
+        arrays = jax.device_get(_take_sequence(cache, jnp.int32(slot), jnp.asarray(pages)))
     return HostSequence(config=config, arrays={k: np.asarray(a) for k, a in arrays.items()})
+
+
+def _on_cpu(cache) -> bool:
+    return all(d.platform == "cpu" for a in jax.tree.leaves(cache) for d in a.devices())
 
 
 def _put_sequence(cache, arrays, slot, pages):
