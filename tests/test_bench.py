@@ -17,6 +17,7 @@ CASES = [
     ("paged.py", ["--batch", "1", "--context", "64", "--loops", "2"], "ms"),
     ("page_pack.py", ["--tokens", "256"], "ms"),
     ("page_reconstruct.py", ["--batch", "1", "--context", "256"], "ms"),
+    ("cache_lifecycle.py", ["--pools", "64", "--context", "32", "--swap-tokens", "32"], "ms"),
     (
         "paged_attention_kernel.py",
         ["--batch", "1", "--context", "256", "--loops", "0", "1", "--formats", "int4"],
