@@ -391,8 +391,7 @@ def clear_slot(cache: PagedKVCache, *, slot) -> PagedKVCache:
     """Empty sequence slot `slot` (its lengths, staging, sink and exit rows: zero) so that a new
     sequence can start there; its pages are the allocator's to free. In place."""
     config = check_cache(cache)
-    if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
-        raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
+    checks.check_slot(config, slot)
     return _CLEAR_SLOT(cache, jnp.int32(slot))
 
 
@@ -409,8 +408,7 @@ def swap_out(cache: PagedKVCache, *, slot, pages) -> HostSequence:
     slot and pages with the allocator afterwards."""
     config = check_cache(cache)
     pages = checks.check_page_ids(config, pages)
-    if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
-        raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
+    checks.check_slot(config, slot)
     if _on_cpu(cache):
         # The host already holds the buffers (device_get is a view): one gather, in NumPy.
         arrays = {n: np.take(np.asarray(a), pages, axis) for n, axis, a in cache.page_arrays()}

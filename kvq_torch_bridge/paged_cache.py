@@ -457,8 +457,7 @@ def swap_out(cache: PagedKVCache, *, slot: int, pages) -> HostSequence:
     staging and sink rows and lengths) to host memory (`kvq_jax.paged_cache.swap_out`)."""
     config = _check_cache(cache)
     pages = checks.check_page_ids(config, pages)
-    if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
-        raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
+    checks.check_slot(config, slot)
     index = torch.from_numpy(pages.astype(np.int64)).to(cache.device)
     arrays = {name: a.index_select(axis, index) for name, axis, a in cache.page_arrays()}
     arrays.update((name, a[:, slot]) for name, a in cache.slot_arrays())
@@ -490,8 +489,7 @@ def _index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, values: torch
 def clear_slot(cache: PagedKVCache, *, slot: int) -> PagedKVCache:
     """Empty sequence slot `slot` in place (`kvq_jax.paged_cache.clear_slot`); returns `cache`."""
     config = _check_cache(cache)
-    if not checks.is_int(slot) or not 0 <= slot < config.max_seqs:
-        raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
+    checks.check_slot(config, slot)
     for _, a in cache.slot_arrays():
         a[:, slot] = 0
     return cache

@@ -377,14 +377,20 @@ def resolve_loop_args(
     )
 
 
+def check_slot(config, slot, name: str = "slot") -> int:
+    """A sequence slot: an int in [0, max_seqs); ValueError naming `name` otherwise."""
+    if not is_int(slot) or not 0 <= slot < config.max_seqs:
+        raise ValueError(f"{name} must be a slot in [0, {config.max_seqs}), got {slot!r}")
+    return int(slot)
+
+
 def host_check_fork(config, seq_lens, parent, child, num_tokens) -> None:
     """Data checks of a `fork` on a host copy of seq_lens [L, S]: distinct slots in range,
     num_tokens within the parent's length in every loop, and a partial last page that is the
     parent's current partial page (its raw rows are what the child copies); otherwise fork a
     page-aligned prefix and append the rest."""
-    for name, slot in (("parent", parent), ("child", child)):
-        if not is_int(slot) or not 0 <= slot < config.max_seqs:
-            raise ValueError(f"{name} must be a slot in [0, {config.max_seqs}), got {slot!r}")
+    check_slot(config, parent, "parent")
+    check_slot(config, child, "child")
     if parent == child:
         raise ValueError(f"fork: parent and child are the same slot {parent}")
     lens = np.asarray(seq_lens)[:, parent]
@@ -424,13 +430,10 @@ def check_swap_in(config, sequence, slot, pages) -> np.ndarray:
         raise TypeError(f"sequence must be a HostSequence, got {type(sequence).__name__}")
     if from_config != config:
         raise ValueError("sequence was swapped out of a cache with another configuration")
-    pages = np.asarray(pages)
-    if pages.dtype.kind not in "iu" or pages.shape != (sequence.num_pages,):
+    if np.shape(pages) != (sequence.num_pages,):
         raise ValueError(
-            f"pages must be {sequence.num_pages} integer page ids (one per page the sequence "
-            f"holds), got {pages.dtype}{list(pages.shape)}"
+            f"pages must be {sequence.num_pages} page ids (one per page the sequence holds), "
+            f"got shape {np.shape(pages)}"
         )
-    pages = check_page_ids(config, pages)
-    if not is_int(slot) or not 0 <= slot < config.max_seqs:
-        raise ValueError(f"slot must be in [0, {config.max_seqs}), got {slot!r}")
-    return pages.astype(np.int32)
+    check_slot(config, slot)
+    return check_page_ids(config, pages)
