@@ -810,7 +810,7 @@ def test_residual_errors_match_jax():
         (np.concatenate([loops[1]] * 2), prev, {"positions": np.arange(24, dtype=np.int32)}),
         (loops[1], prev, {"window": 3}),
         (loops[1], prev, {"kind": "values"}),
-        (loops[1], prev, {"format": "int2"}),
+        (loops[1], prev, {"format": "int3"}),
     ]
     for cur, pre, extra in cases:
         args = {"kind": "key", **extra}
