@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from kvq_jax import paged_cache
+from kvq_jax.cache_state import codec_view
 from kvq_jax.engine import Engine
 from kvq_jax.kernels.page_pack.api import pack_paged
 from kvq_jax.models import Model, ModelConfig, llama, ouro
@@ -190,8 +191,8 @@ def test_quantized_pages_are_the_codecs(tiny_llama, tiny_ouro, arch, policy):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
     # loop 0 of layer 0 through pack_paged directly: the two complete pages
     k0, v0 = kv[0][0]
-    for kind, x, packed in (("key", k0, engine.caches[0].k_base),
-                            ("value", v0, engine.caches[0].v_base)):  # fmt: skip
+    for kind, x, packed in (("key", k0, codec_view(engine.caches[0].k_base)),
+                            ("value", v0, codec_view(engine.caches[0].v_base))):  # fmt: skip
         pages = x[0, : 2 * page_size].reshape(2, page_size, *x.shape[2:])
         args = engine.cache_config.pack_args(kind, "base")
         want = pack_paged(pages, **args)
