@@ -38,6 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, rest_dtype
@@ -50,6 +52,7 @@ __all__ = [
     "PagedKVCache",
     "check_cache",
     "codec_view",
+    "head_shardings",
     "init_cache",
     "planes",
 ]
@@ -134,6 +137,39 @@ def init_cache(config: PagedCacheConfig) -> PagedKVCache:
         else None,
         config=c,
     )
+
+
+def head_shardings(cache: PagedKVCache, mesh, axis: str):
+    """NamedShardings (a pytree like `cache`) that split every per-head array over the KV-head
+    axis H along mesh axis `axis`: each packed field with a head axis ([..., T', H, D']), the
+    staging and sink rows ([L, S, rows, H, D]); per-page NVFP4 global scales, seq_lens and the
+    exit maps are replicated. H must be a multiple of the mesh axis size (ValueError)."""
+    config = check_cache(cache)
+    size = mesh.shape.get(axis)
+    if size is None or config.num_heads % size:
+        raise ValueError(
+            f"mesh: axis {axis!r} of size {size} must divide the {config.num_heads} KV heads "
+            f"(mesh axes {dict(mesh.shape)})"
+        )
+
+    def on_heads(a, head_axis):
+        if a.ndim <= head_axis:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, P(*([None] * head_axis), axis))
+
+    out = {}
+    for name in CACHE_FIELDS:
+        value = getattr(cache, name)
+        if isinstance(value, PackedKV):  # fields [*batch, T', H, D'] (or [*batch] scalars)
+            lead = len(value.batch_shape)
+            out[name] = jax.tree.map(lambda a, lead=lead: on_heads(a, lead + 1), value)
+        elif name.endswith(("_stage", "_sink")):
+            out[name] = on_heads(value, 3)
+        elif value is not None:
+            out[name] = NamedSharding(mesh, P())
+        else:
+            out[name] = None
+    return dataclasses.replace(cache, **out)
 
 
 def sequence_rows(config, decoded, stage, sink, stored, length):

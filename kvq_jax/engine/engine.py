@@ -65,8 +65,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from kvq_jax import paged_attention, paged_cache
+from kvq_jax import cache_state, paged_attention, paged_cache
 from kvq_jax.attention import attend
 from kvq_jax.core.allocator import PageAllocator
 from kvq_jax.core.cache_config import PagedCacheConfig
@@ -333,6 +335,26 @@ def _key_data(key, seed) -> np.ndarray:
     return key
 
 
+def _shard(caches, params, mesh, axis: str):
+    """Caches split over their KV heads along mesh axis `axis`, parameters replicated."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    placed = []
+    for cache in caches:
+        if isinstance(cache, RawPagedStore):  # [loops, pages, page_size, H, D]
+            size = mesh.shape.get(axis)
+            if size is None or cache.k.shape[3] % size:
+                raise ValueError(
+                    f"mesh: axis {axis!r} of size {size} must divide the {cache.k.shape[3]} "
+                    f"KV heads (mesh axes {dict(mesh.shape)})"
+                )
+            spec = NamedSharding(mesh, P(None, None, None, axis))
+            placed.append(jax.device_put(cache, RawPagedStore(spec, spec)))
+        else:
+            placed.append(jax.device_put(cache, cache_state.head_shardings(cache, mesh, axis)))
+    return tuple(placed), jax.device_put(params, NamedSharding(mesh, P()))
+
+
 class Engine:
     """Generation with per-layer paged KV caches under a storage policy.
 
@@ -340,7 +362,10 @@ class Engine:
     Policy); num_pages, page_size, max_seqs, max_pages_per_seq: the pool (shared by every
     layer and loop: one physical page of a sequence holds its page_size tokens in every
     layer's cache); loops: Ouro's loop count (None: the checkpoint's; Llama: 1 only);
-    prefill_chunk: prompt tokens per prefill call; backend: the cache ops' backend.
+    prefill_chunk: prompt tokens per prefill call; backend: the cache ops' backend; mesh (a
+    `jax.sharding.Mesh`, or None) and mesh_axis: split every cache over its KV heads along
+    that mesh axis (`cache_state.head_shardings`; the parameters are replicated), the same
+    tokens as unsharded.
 
     See the module doc for what attention reads, the policies and the batching rules.
     Every error (ValueError) is raised before anything changes, so the engine stays usable.
@@ -358,6 +383,8 @@ class Engine:
         loops: int | None = None,
         prefill_chunk: int = 256,
         backend: str = "auto",
+        mesh=None,
+        mesh_axis: str = "heads",
     ):
         config: ModelConfig = model.config
         if loops is not None:
@@ -389,6 +416,8 @@ class Engine:
                 )
                 for _ in range(config.num_layers)
             )
+        if mesh is not None:
+            self.caches, self.params = _shard(self.caches, self.params, mesh, mesh_axis)
         eos = config.eos_token_id
         self.default_stop_ids = frozenset(
             () if eos is None else (eos if isinstance(eos, tuple) else (eos,))
