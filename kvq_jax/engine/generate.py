@@ -28,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     text.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
     text.add_argument("--prompt-ids", help="prompt token ids, comma separated")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--loops", type=int, default=None, help="Ouro loops (default: config)")
+    parser.add_argument(
+        "--loops",
+        type=int,
+        default=None,
+        help="loops (default: the checkpoint's; on a plain model, > 1 is an emulation)",
+    )
     parser.add_argument("--compare", default=None, help="also run this policy (e.g. bf16)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -150,15 +155,16 @@ def run(args) -> int:
         return 2
     cfg = model.config
     loops = runs[0]["loops"]
+    emulated = cfg.arch != "ouro" and loops > 1
     print(
-        f"kvq generate: {args.model} ({cfg.arch}, {cfg.num_layers} layers x {loops} loop(s), "
-        f"{args.dtype}), {len(prompt)} prompt tokens"
+        f"kvq generate: {args.model} ({cfg.arch}, {cfg.num_layers} layers x {loops} loop(s)"
+        f"{' (emulated)' if emulated else ''}, {args.dtype}), {len(prompt)} prompt tokens"
     )
     for r in runs:
         _print_run(r)
     if args.json:
         report = {"model": args.model, "arch": cfg.arch, "dtype": args.dtype, "loops": loops,
-                  "prompt_tokens": len(prompt), "runs": runs}  # fmt: skip
+                  "emulated": emulated, "prompt_tokens": len(prompt), "runs": runs}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
