@@ -294,8 +294,9 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
     from kvq_jax.cli import main
 
     out = tmp_path / "gen.json"
+    prompt = ",".join(str(5 + i % 40) for i in range(20))  # a page quantized
     args = ["generate", "--model", str(ouro_dir), "--policy", "int4-g16+win", "--prompt-ids",
-            "5,6,7,8,9,10,11,12", "--max-new-tokens", "4", "--page-size", "16", "--loops", "2",
+            prompt, "--max-new-tokens", "4", "--page-size", "16", "--loops", "2",
             "--compare", "bf16", "--dtype", "bfloat16", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     text = capsys.readouterr().out
@@ -306,6 +307,10 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
     assert len(runs["bf16"]["tokens"]) <= 4 and runs["bf16"]["ratio_to_bf16"] == 1.0
     assert runs["int4-g16+win"]["kv_bytes_per_token"] < runs["bf16"]["kv_bytes_per_token"]
     assert report["loops"] == 2
+    c = runs["int4-g16+win"]["compare"]
+    assert c["against"] == "bf16" and 0.0 <= c["token_agreement"] <= 1.0
+    assert 0.0 < c["teacher_forced_kl"] < 1.0  # quantized: not zero; a small model: small
+    assert "teacher-forced KL" in text
 
 
 @pytest.mark.parametrize(
@@ -327,6 +332,26 @@ def test_kvq_generate_errors(ouro_dir, capsys, extra, message):
     assert main(args + extra) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# -- teacher forcing ---------------------------------------------------------------------------
+
+
+def test_teacher_forcing_feeds_the_given_tokens(tiny_llama):
+    """A forced request records the forced ids, ignores stop ids, and its logits[i] are the
+    model's distribution for forced[i] (the cache-free forward on prompt + forced[:i])."""
+    prompt, forced = prompt_of(11, seed=4), prompt_of(5, seed=5)
+    engine = _engine(tiny_llama)
+    r = engine.add_request(prompt, max_new_tokens=5, forced_tokens=forced, keep_logits=True,
+                           stop_ids=forced[:1])  # fmt: skip
+    engine.run()
+    assert r.tokens == forced and r.finish_reason == "length"
+    ref, _ = _reference_logits(tiny_llama, prompt + forced[:-1])
+    assert np.abs(np.stack(r.logits) - ref[len(prompt) - 1 :]).max() < LOGIT_TOL
+    with pytest.raises(ValueError, match="forced_tokens: 2 ids for max_new_tokens=5"):
+        engine.make_request(prompt, max_new_tokens=5, forced_tokens=[1, 2])
+    with pytest.raises(ValueError, match=r"forced_tokens: ids \[999\] outside"):
+        engine.make_request(prompt, max_new_tokens=1, forced_tokens=[999])
 
 
 # -- the loop emulation against the Torch runner ----------------------------------------------

@@ -304,7 +304,8 @@ class Request:
     prompt: token ids; tokens: generated ids (the stop token included); finish_reason: None
     while running, "stop" (a stop id) or "length" (max_new_tokens); exit_loops: the loop each
     generated token's logits came from; logits: float32 [V] per generated token when
-    keep_logits (the distribution it was sampled from).
+    keep_logits (the distribution it was sampled from); forced: teacher forcing, the ids
+    that become the generated tokens whatever the logits (None: sampled).
     """
 
     prompt: list[int]
@@ -314,6 +315,7 @@ class Request:
     key: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(2, np.uint32))
     stop_ids: frozenset = frozenset()
     keep_logits: bool = False
+    forced: tuple[int, ...] | None = None
     slot: int | None = None
     position: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -476,9 +478,15 @@ class Engine:
         key=None,
         stop_ids=None,
         keep_logits: bool = False,
+        forced_tokens=None,
     ) -> Request:
         """A validated `Request` (ValueError: empty prompt, token ids outside the vocabulary,
-        prompt + max_new_tokens longer than a sequence or the whole pool)."""
+        prompt + max_new_tokens longer than a sequence or the whole pool).
+
+        forced_tokens: teacher forcing: max_new_tokens ids that are fed (and recorded) in turn
+        instead of sampled ones, each after the logits that predict it are computed (with
+        keep_logits: logits[i] is the model's distribution for forced_tokens[i]); a forced
+        request stops at its length only."""
         prompt = [int(t) for t in np.asarray(prompt).reshape(-1)]
         if not prompt:
             raise ValueError("prompt is empty")
@@ -503,6 +511,19 @@ class Engine:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         stops = self.default_stop_ids if stop_ids is None else frozenset(int(s) for s in stop_ids)
+        forced = None
+        if forced_tokens is not None:
+            forced = tuple(int(t) for t in np.asarray(forced_tokens).reshape(-1))
+            if len(forced) != max_new_tokens:
+                raise ValueError(
+                    f"forced_tokens: {len(forced)} ids for max_new_tokens={max_new_tokens}"
+                )
+            bad = [t for t in forced if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"forced_tokens: ids {bad[:5]} outside [0, {self.config.vocab_size})"
+                )
+            stops = frozenset()
         return Request(
             prompt=prompt,
             max_new_tokens=max_new_tokens,
@@ -511,6 +532,7 @@ class Engine:
             key=_key_data(key, seed),
             stop_ids=stops,
             keep_logits=keep_logits,
+            forced=forced,
         )
 
     def add_request(self, prompt, **kwargs) -> Request:
@@ -655,7 +677,7 @@ class Engine:
         self._record(request, token, int(exit_loop), np.asarray(logits))
 
     def _record(self, request: Request, token, exit_loop, logits) -> None:
-        token = int(token)
+        token = int(token) if request.forced is None else request.forced[len(request.tokens)]
         request.tokens.append(token)
         request.exit_loops.append(int(exit_loop))
         if request.keep_logits:
