@@ -29,16 +29,34 @@ from kvq_jax.packed import PackedKV
 GROUP_SIZE = NVFP4_GROUP_SIZE
 
 
-def global_scale(x: jnp.ndarray) -> jnp.ndarray:
-    """float32 tensor -> float32 [] encode scale g (all-zero and tiny-tensor rules applied)."""
-    amax = jnp.max(jnp.abs(x), initial=jnp.float32(0.0))
+def block_amax(layout: _grouping.GroupLayout, values: jnp.ndarray) -> jnp.ndarray:
+    """Raw [T, H, D] values -> float32 max |x| per block (keepdims, grouped view), flushed.
+
+    max |x| = max(max x, -min x), and min/max run on the input dtype (exact), so XLA:CPU
+    reduces the input buffer itself instead of a float32 copy of |x|. A partial block pads
+    with 0, which never raises a max |x|. NaN handling does not matter (see `all_finite`).
+    """
+    raw, m = layout.split(values, 0), layout.member_axis
+    mn = flush_subnormal(jnp.min(raw, axis=m, keepdims=True).astype(jnp.float32))
+    mx = flush_subnormal(jnp.max(raw, axis=m, keepdims=True).astype(jnp.float32))
+    return jnp.abs(jnp.maximum(mx, -mn))  # abs: an all-zero block gives +0, never -0
+
+
+def all_finite(values: jnp.ndarray) -> jnp.ndarray:
+    """bool []: no inf or NaN in `values`. sum(x * 0) is NaN exactly when some x is inf or
+    NaN (finite x * 0 is +-0, and a sum of zeros never overflows); one streaming reduction."""
+    return jnp.isfinite(jnp.sum(values.astype(jnp.float32) * jnp.float32(0.0)))
+
+
+def global_scale(amax: jnp.ndarray) -> jnp.ndarray:
+    """float32 [] tensor max |x| -> float32 [] encode scale g (all-zero and tiny rules)."""
     g = jnp.where(amax == 0, jnp.float32(1.0), divide(NVFP4_GLOBAL_NUMERATOR, amax))
     return jnp.where(jnp.isinf(g), F32_MAX, g)
 
 
-def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, member_axis: int):
-    """Grouped float32 values (padding = 0) and g -> (4-bit codes like xg, e4m3 block scales)."""
-    vmax = jnp.max(jnp.abs(xg), axis=member_axis, keepdims=True)
+def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, vmax: jnp.ndarray):
+    """Grouped float32 values, g and the blocks' max |x| (keepdims) -> (4-bit codes like xg,
+    e4m3 block scales keepdims)."""
     s = flush_subnormal(g * flush_subnormal(vmax * NVFP4_ONE_SIXTH))
     s8 = jnp.minimum(s, E4M3_MAX).astype(jnp.float8_e4m3fn)
     sf = s8.astype(jnp.float32)
@@ -50,17 +68,18 @@ def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, member_axis: int):
     y_direct = flush_subnormal(divide(flush_subnormal(xg * g), jnp.where(fallback, sf, 1.0)))
     y = jnp.clip(jnp.where(fallback, y_direct, y), -E2M1_MAX, E2M1_MAX)
     codes = e2m1_encode(y, jnp.signbit(xg))
-    return codes, jnp.squeeze(s8, member_axis)
+    return codes, s8
 
 
 class NVFP4Codec(NVFP4Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
-        x = widen(values)
-        finite = jnp.all(jnp.isfinite(x))
-        g = global_scale(x)
-        codes_g, s8 = quantize_groups(layout.split(x, 0.0), g, layout.member_axis)
+        finite = all_finite(values)
+        vmax = block_amax(layout, values)
+        g = global_scale(jnp.max(vmax, initial=jnp.float32(0.0)))
+        codes_g, s8 = quantize_groups(layout.split(widen(values), 0.0), g, vmax)
         codes = jnp.where(finite, layout.merge(codes_g), jnp.uint8(0))
+        s8 = jnp.squeeze(s8, layout.member_axis)
         arrays = {
             "codes": _nibbles.pack_nibbles(codes),
             "block_scale": jnp.where(finite, s8, jnp.float8_e4m3fn(jnp.nan)),
