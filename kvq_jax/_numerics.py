@@ -93,7 +93,7 @@ def division_path(path: str | None):
         _FORCED_PATH = saved
 
 
-def divide(a, b) -> jnp.ndarray:
+def divide(a, b, *, fuse: bool = True) -> jnp.ndarray:
     """IEEE float32 a / b (correctly rounded), element-wise with broadcasting.
 
     XLA's algebraic simplifier rewrites a division by a broadcast operand (a constant, a
@@ -103,10 +103,14 @@ def divide(a, b) -> jnp.ndarray:
     when lowering for CPU) and `divide_barrier` (float32 behind an optimization barrier, which
     stops fusion; every other platform, where float64 is slow). Every division in kvq goes
     through here.
+
+    fuse=False always takes the barrier: for quotients of per-group statistics that element-wise
+    loops consume (XLA would otherwise fuse the float64 division into those loops and redo it
+    per element; measured 2x slower NVFP4 unpack on XLA:CPU).
     """
     if _FORCED_PATH == "f64":
         return divide_f64(a, b)
-    if _FORCED_PATH == "barrier":
+    if _FORCED_PATH == "barrier" or not fuse:
         return divide_barrier(a, b)
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     shape = jnp.broadcast_shapes(a.shape, b.shape)

@@ -24,7 +24,7 @@ class FP8E4M3Codec(FP8E4M3Layout, Codec):
         mn = flush_subnormal(jnp.min(values, axis=-1).astype(jnp.float32))
         mx = flush_subnormal(jnp.max(values, axis=-1).astype(jnp.float32))
         amax = jnp.abs(jnp.maximum(mx, -mn))
-        s = flush_subnormal(divide(amax, E4M3_MAX))
+        s = flush_subnormal(divide(amax, E4M3_MAX, fuse=False))
         ok = (finite & (s > 0))[..., None]
         q = jnp.clip(divide(x, jnp.where(ok, s[..., None], 1.0)), -E4M3_MAX, E4M3_MAX)
         codes = jnp.where(ok, q, 0.0).astype(jnp.float8_e4m3fn)

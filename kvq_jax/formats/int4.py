@@ -36,7 +36,9 @@ def quantize_groups(xg: jnp.ndarray, mn, mx, finite):
     minimum f16, scale f16 per group, keepdims)."""
     mn = jnp.where(mn == 0, jnp.float32(0.0), mn)  # a zero minimum is stored as +0.0
     span = flush_subnormal(mx - mn)
-    scale = jnp.where(span > 0, flush_subnormal(divide(span, INT4_LEVELS)), jnp.float32(1.0))
+    scale = jnp.where(
+        span > 0, flush_subnormal(divide(span, INT4_LEVELS, fuse=False)), jnp.float32(1.0)
+    )
     q = round_half_even(divide(flush_subnormal(xg - mn), scale))
     codes = jnp.where(q >= 0, jnp.minimum(q, 15.0), 0.0)  # NaN -> 0
     codes = jnp.where(finite, codes, 0.0).astype(jnp.uint8)

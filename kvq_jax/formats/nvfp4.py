@@ -4,6 +4,7 @@ global encode scale per packed tensor. docs/FORMAT.md section 3.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kvq_jax import _grouping, _nibbles
@@ -50,7 +51,7 @@ def all_finite(values: jnp.ndarray) -> jnp.ndarray:
 
 def global_scale(amax: jnp.ndarray) -> jnp.ndarray:
     """float32 [] tensor max |x| -> float32 [] encode scale g (all-zero and tiny rules)."""
-    g = jnp.where(amax == 0, jnp.float32(1.0), divide(NVFP4_GLOBAL_NUMERATOR, amax))
+    g = jnp.where(amax == 0, jnp.float32(1.0), divide(NVFP4_GLOBAL_NUMERATOR, amax, fuse=False))
     return jnp.where(jnp.isinf(g), F32_MAX, g)
 
 
@@ -60,14 +61,24 @@ def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, vmax: jnp.ndarray):
     s = flush_subnormal(g * flush_subnormal(vmax * NVFP4_ONE_SIXTH))
     s8 = jnp.minimum(s, E4M3_MAX).astype(jnp.float8_e4m3fn)
     sf = s8.astype(jnp.float32)
-    v = flush_subnormal(sf * flush_subnormal(divide(1.0, g)))
-    r = jnp.where(v == 0, jnp.float32(0.0), flush_subnormal(divide(1.0, v)))
-    y = flush_subnormal(xg * r)
-    # Tiny-scale fallback: the reciprocal path underflowed although the block scale did not.
+    v = flush_subnormal(sf * flush_subnormal(divide(1.0, g, fuse=False)))
+    r = jnp.where(v == 0, jnp.float32(0.0), flush_subnormal(divide(1.0, v, fuse=False)))
+    # Tiny-scale fallback: the reciprocal path underflowed although the block scale did not
+    # (only for tensors near float32's range). It needs a full-size exact division, so it is
+    # traced only into the branch that runs when some block needs it (under vmap the cond
+    # becomes a select and both branches run).
     fallback = (v == 0) & (sf > 0)
-    y_direct = flush_subnormal(divide(flush_subnormal(xg * g), jnp.where(fallback, sf, 1.0)))
-    y = jnp.clip(jnp.where(fallback, y_direct, y), -E2M1_MAX, E2M1_MAX)
-    codes = e2m1_encode(y, jnp.signbit(xg))
+
+    def encode(with_fallback: bool):
+        y = flush_subnormal(xg * r)
+        if with_fallback:
+            divisor = jnp.where(fallback, sf, 1.0)
+            y_direct = flush_subnormal(divide(flush_subnormal(xg * g), divisor, fuse=False))
+            y = jnp.where(fallback, y_direct, y)
+        y = jnp.clip(y, -E2M1_MAX, E2M1_MAX)
+        return e2m1_encode(y, jnp.signbit(xg))
+
+    codes = jax.lax.cond(jnp.any(fallback), lambda: encode(True), lambda: encode(False))
     return codes, s8
 
 
@@ -99,7 +110,7 @@ class NVFP4Codec(NVFP4Layout, Codec):
         codes = _nibbles.unpack_nibbles(packed.codes, packed.shape[2])
         sf = packed.block_scale.astype(jnp.float32)
         g = flush_subnormal(packed.global_scale)  # a hand-made scale may be subnormal
-        step = flush_subnormal(divide(sf, g))
+        step = flush_subnormal(divide(sf, g, fuse=False))
         out = flush_subnormal(e2m1_decode(layout.split(codes, 0)) * layout.expand(step))
         return layout.merge(out).astype(dtype)
 
