@@ -1,9 +1,11 @@
 """Loop stacks: the KV of one layer across all loops of a looped LM, in one jitted call.
 
 Loop 0 is packed whole (the base); loop l >= 1 is a `KVResidual` against the reconstruction of
-loop l - 1. Dense residual loops run as one `lax.scan` whose carry is the running
+loop l - 1, each later loop in one residual format or in its own (per-loop bit choices).
+Dense residual loops in one format run as one `lax.scan` whose carry is the running
 reconstruction; sparse loops (their own position maps, e.g. 25% of tokens in loop 2 and a
-10% subset in loop 3, 0-based) run as unrolled steps inside the same jit with static shapes.
+10% subset in loop 3, 0-based) and per-loop formats run as unrolled steps inside the same jit
+with static shapes.
 Loops are numbered from 0: `decode_loop(code, loop=l) == decode_loops(code)[l]`.
 """
 
@@ -36,7 +38,7 @@ def encode_loops(
     *,
     kind: str,
     base_format: str = "int4",
-    residual_format: str | None = None,
+    residual_format: str | Sequence[str] | None = None,
     group_size: int | None = None,
     residual_group_size: int | None = None,
     axis: str | None = None,
@@ -47,10 +49,12 @@ def encode_loops(
 
     Args:
       kind, axis: as for `pack_kv`, for every loop.
-      base_format / residual_format: formats of loop 0 and of the deltas (default: the same).
+      base_format / residual_format: formats of loop 0 and of the deltas (default: the same);
+        residual_format may also name one format per later loop (a sequence of L - 1 names,
+        e.g. FlashLoop's values at 4/4/2/2 bits: base "int4", ("int4", "int2", "int2")).
       group_size: group size of the base (and of the residuals when they share its format).
-      residual_group_size: group size of the residuals (default: `group_size` for the same
-        format, else the residual format's default).
+      residual_group_size: group size of the residuals (default: `group_size` for a loop in
+        the base's format, else that loop's format's default).
       positions: None (every later loop dense) or a sequence of L - 1 entries, each None
         (dense) or int32 [N_l] rows of that loop (see `validate_positions`).
       window: raw window rows for the base and every residual.
@@ -58,6 +62,8 @@ def encode_loops(
     if positions is not None and isinstance(positions, Sequence) and not isinstance(positions, str):
         for i, p in enumerate(positions):
             checks.check_positions_dtype(p, f"positions[{i}]")
+    if isinstance(residual_format, list):
+        residual_format = tuple(residual_format)  # a static jit argument must be hashable
     return _encode_loops(
         loops,
         kind=kind,
@@ -88,7 +94,7 @@ def _encode_loops(
     *,
     kind: str,
     base_format: str = "int4",
-    residual_format: str | None = None,
+    residual_format: str | tuple[str, ...] | None = None,
     group_size: int | None = None,
     residual_group_size: int | None = None,
     axis: str | None = None,
@@ -98,7 +104,7 @@ def _encode_loops(
     """Jitted body of `encode_loops` (position dtypes already checked)."""
     loops = jnp.asarray(loops)
     checks.check_loop_stack(loops)
-    residual_format, r_group, positions, window = checks.resolve_loop_args(
+    streams, positions, window = checks.resolve_loop_streams(
         loops.shape,
         base_format,
         residual_format,
@@ -113,19 +119,13 @@ def _encode_loops(
         loops[0], kind=kind, format=base_format, group_size=group_size, axis=axis, window=window
     )
     recon = unpack_kv(base)
-    encode = functools.partial(
-        encode_residual,
-        kind=kind,
-        format=residual_format,
-        group_size=r_group,
-        axis=axis,
-        window=window,
-    )
+    encode = functools.partial(encode_residual, kind=kind, axis=axis, window=window)
 
-    if all(p is None for p in positions) and loops.shape[0] > 1:
+    if all(p is None for p in positions) and len(set(streams)) == 1:
+        fmt, group = streams[0]  # one format for every later loop: one scan
 
         def step(previous, current):
-            residual = encode(current, previous)
+            residual = encode(current, previous, format=fmt, group_size=group)
             return decode_residual(residual, previous), residual
 
         _, stacked = jax.lax.scan(step, recon, loops[1:])
@@ -135,9 +135,9 @@ def _encode_loops(
         return LoopCode(base=base, residuals=residuals)
 
     residuals = []
-    for current, pos in zip(loops[1:], positions, strict=True):
+    for current, pos, (fmt, group) in zip(loops[1:], positions, streams, strict=True):
         rows = current if pos is None else gather_rows(current, jnp.asarray(pos))
-        residual = encode(rows, recon, positions=pos)
+        residual = encode(rows, recon, format=fmt, group_size=group, positions=pos)
         recon = decode_residual(residual, recon)
         residuals.append(residual)
     return LoopCode(base=base, residuals=tuple(residuals))

@@ -7,6 +7,8 @@ bytes are the same.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
@@ -49,7 +51,7 @@ def encode_loops(
     *,
     kind: str,
     base_format: str = "int4",
-    residual_format: str | None = None,
+    residual_format: str | Sequence[str] | None = None,
     group_size: int | None = None,
     residual_group_size: int | None = None,
     axis: str | None = None,
@@ -58,13 +60,14 @@ def encode_loops(
 ) -> LoopCode:
     """Pack a loop stack `loops` [L, T, H, D] (L >= 1) as a base plus L - 1 residuals.
 
-    Arguments as for `kvq_jax.encode_loops`; `positions` entries are None or int32 [N_l]
+    Arguments as for `kvq_jax.encode_loops` (`residual_format`: one name, or one per later
+    loop); `positions` entries are None or int32 [N_l]
     torch tensors / numpy arrays.
     """
     if not isinstance(loops, torch.Tensor):
         raise TypeError(f"loops must be a torch.Tensor, got {type(loops).__name__}")
     checks.check_loop_stack(meta(loops))
-    residual_format, r_group, positions, window = checks.resolve_loop_args(
+    streams, positions, window = checks.resolve_loop_streams(
         loops.shape,
         base_format,
         residual_format,
@@ -80,7 +83,7 @@ def encode_loops(
     )
     recon = unpack_kv(base)
     residuals = []
-    for current, pos in zip(loops[1:], positions, strict=True):
+    for current, pos, (fmt, group) in zip(loops[1:], positions, streams, strict=True):
         if pos is not None and not isinstance(pos, torch.Tensor):
             pos = torch.from_numpy(np.array(pos, copy=True)).to(loops.device)
         rows = current if pos is None else current[pos]
@@ -88,8 +91,8 @@ def encode_loops(
             rows,
             recon,
             kind=kind,
-            format=residual_format,
-            group_size=r_group,
+            format=fmt,
+            group_size=group,
             axis=axis,
             positions=pos,
             window=window,

@@ -44,6 +44,16 @@ CONFIGS = {
         k_residual_format="fp8_e4m3",
         v_base_format="nvfp4",
     ),
+    # INT2 keys (FlashLoop's 2-bit stream, served by the XLA path: no kernel decodes it), INT4
+    # value base with INT2 value residuals, 8-token pages (groups of 8), 1 sink token.
+    "int2-p8-bf16": dict(
+        page_size=8,
+        sink=1,
+        dtype=ml_dtypes.bfloat16,
+        k_base_format="int2",
+        k_residual_format="int2",
+        v_residual_format="int2",
+    ),
 }
 
 
@@ -112,7 +122,12 @@ def take(packed, *index):
 
 @pytest.mark.parametrize(
     "name, mode",
-    [("int4-p4-sink2", "decode"), ("int4-p4-sink2", "chunked"), ("mixed-p8-bf16", "decode")],
+    [
+        ("int4-p4-sink2", "decode"),
+        ("int4-p4-sink2", "chunked"),
+        ("mixed-p8-bf16", "decode"),
+        ("int2-p8-bf16", "chunked"),
+    ],
 )
 def test_append_order_independent(name, mode):
     """Token-by-token and chunked appends leave the same cache as one prefill, byte for byte:

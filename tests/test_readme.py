@@ -55,7 +55,7 @@ def test_main_job_prints_every_policy(capsys):
     out = capsys.readouterr().out
     rows = [s for s in (line.split() for line in out.splitlines()) if s and s[0] in POLICIES]
     assert [r[0] for r in rows] == list(POLICIES)
-    assert rows[0][1:] == ["16.000"] + ["0.000%"] * 8
+    assert rows[0][1:] == ["16.000"] + ["0.000%"] * 9
 
 
 @pytest.mark.parametrize("argv", [["demo", "--repeats", "1"]])

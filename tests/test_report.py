@@ -21,8 +21,9 @@ from kvq_jax.report import capture as cap
 from kvq_jax.report.evaluate import evaluate, policy_sums, stacks
 
 #: Policies checked against numpy: INT4 with a window (partial token groups), NVFP4 without
-#: (its per-tensor scale must stay per (window, layer) under vmap).
-CHECKED = "int4-g32+win,nvfp4"
+#: (its per-tensor scale must stay per (window, layer) under vmap), FlashLoop's legacy profile
+#: (INT2 keys, INT4/INT2 values: formats per kind and per loop).
+CHECKED = "int4-g32+win,nvfp4,flashloop-legacy"
 #: The fixture has the embedded capture's shape (SmolLM2: 3 KV heads, 9 query heads, dim 64),
 #: so the programs compiled for it serve the default run too (compilation dominates).
 W, L, N, T, H, D, HQ = 2, 4, 3, 128, 3, 64, 9
@@ -96,7 +97,7 @@ def _numpy_report(capture, policy):
         pay_ref = np.zeros(L)
         for w in range(W):
             for n in range(N):
-                code = kvq_jax.encode_loops(x[w, :, n], **policy.loop_kwargs(kind))
+                code = kvq_jax.encode_loops(x[w, :, n], **policy.loop_kwargs(kind, L))
                 codes[c].append(code)  # in the report's stack order: w * N + n
                 storage += code.storage_bytes
                 hat[w, :, n] = np.asarray(kvq_jax.decode_loops(code))
@@ -132,6 +133,28 @@ def _numpy_report(capture, policy):
     out["attention_layer_head"] = per_layer_head
     out["attention_mean"] = per_layer_head.mean()
     out["attention_max"] = per_layer_head.max()
+    # decode-like: the last 64 queries, each with its own window rows raw (explicit loops)
+    sink, recent = (window.sink, window.recent) if window else (0, 0)
+    err_sq = np.zeros((N, HQ))
+    ref_sq = np.zeros((N, HQ))
+    for w in range(W):
+        for i in range(L):
+            for n in range(N):
+                q = _f64(capture.q[w, i, n])
+                k, v = _f64(capture.k[w, i, n]), _f64(capture.v[w, i, n])
+                ref = _attention(q, k, v)
+                k_hat, v_hat = _f64(recon["k"][w, i, n]), _f64(recon["v"][w, i, n])
+                for t in range(T - 64, T):
+                    raw = [s < sink or t - s < recent for s in range(t + 1)]
+                    ks = np.stack([k[s] if raw[s] else k_hat[s] for s in range(t + 1)])
+                    vs = np.stack([v[s] if raw[s] else v_hat[s] for s in range(t + 1)])
+                    got = _attention(q[: t + 1], ks, vs)[t]  # the last query attends all
+                    err_sq[n] += np.sum((got - ref[t]) ** 2, axis=1)
+                    ref_sq[n] += np.sum(ref[t] ** 2, axis=1)
+    per_layer_head = np.sqrt(err_sq / ref_sq)
+    out["attention_decode_layer_head"] = per_layer_head
+    out["attention_decode_mean"] = per_layer_head.mean()
+    out["attention_decode_max"] = per_layer_head.max()
     return out, codes
 
 
@@ -156,6 +179,8 @@ def test_numbers_equal_an_independent_numpy_computation(results, name):
     )
     assert row.k_storage_bytes * 8 == pytest.approx(row.k_bits_per_element * row.num_elements)
     assert 0 < row.attention_mean <= row.attention_max < 0.5
+    assert row.attention_decode_queries == 64
+    assert 0 < row.attention_decode_mean <= row.attention_decode_max < 0.5
 
 
 def test_reference_row_is_exact_and_16_bits(results):
@@ -273,7 +298,12 @@ def test_json_and_plot(results, fixture_file, tmp_path, capsys):
     table = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
     assert float(table["nvfp4"][1]) == pytest.approx(rows[2].bits_per_element, abs=1e-3)
     assert table["nvfp4"][2] == f"{100 * rows[2].k_rel_l2:.3f}%"
-    assert table["bf16"][1:] == ["16.000"] + ["0.000%"] * 8
+    assert table["bf16"][1:] == ["16.000"] + ["0.000%"] * 9
+    assert table["nvfp4"][6] == f"{100 * rows[2].attention_decode_mean:.3f}%"
+    assert doc["policies"][2]["attention_decode_mean"] == rows[2].attention_decode_mean
+    legacy = doc["policies"][3]
+    assert legacy["k_loop_formats"] == ["int2"] * 4
+    assert legacy["v_loop_formats"] == ["int4", "int4", "int2", "int2"]
 
     pytest.importorskip("matplotlib")
     data = out_png.read_bytes()
@@ -291,7 +321,7 @@ def test_no_queries_leaves_attention_empty(tmp_path, capsys):
     rc, out, _ = _run(["report", "--kv", str(path), "--policies", "bf16,nvfp4"], capsys)
     assert rc == 0 and "no queries" in out
     nvfp4 = next(line.split() for line in out.splitlines() if line.startswith("nvfp4"))
-    assert nvfp4[4:6] == ["-", "-"]
+    assert nvfp4[4:7] == ["-", "-", "-"]
 
 
 # --- --model dispatch ------------------------------------------------------------------------
@@ -331,7 +361,7 @@ def test_default_run_on_the_embedded_capture(capsys):
     assert rc == 0, err
     rows = {s[0]: s for s in (line.split() for line in out.splitlines()) if s and s[0] in POLICIES}
     assert list(rows) == list(POLICIES)
-    assert rows["bf16"][1:] == ["16.000"] + ["0.000%"] * 8
+    assert rows["bf16"][1:] == ["16.000"] + ["0.000%"] * 9
     capture = cap.load_capture()
     t, d = capture.k.shape[3], capture.k.shape[5]
     if t % 64 == 0 and d % 64 == 0:

@@ -26,6 +26,16 @@ def _int4_ties() -> np.ndarray:
     return np.stack([col, col * 2.0, col * 0.25], axis=-1)[:, None, :]  # [16, 1, 3]
 
 
+def _int2_ties() -> np.ndarray:
+    """Token groups per channel whose (x - mn) / scale hits k + 0.5 exactly: min 0, max 3, so
+    scale = 1 and x = 0.5, 1.5, 2.5 are ties (to 0, 2, 2), plus their float32 neighbours."""
+    ties = np.array([0.5, 1.5, 2.5], F32)
+    col = np.concatenate(
+        [[0.0, 3.0], ties, np.nextafter(ties, F32(0)), np.nextafter(ties, F32(3))]
+    ).astype(F32)
+    return np.stack([col, col * 2.0, col * 0.25], axis=-1)[:, None, :]  # [11, 1, 3]
+
+
 def _e2m1_midpoints() -> np.ndarray:
     """NVFP4 value rows (channels axis) whose scaled values land on every E2M1 midpoint and on
     its float32 neighbours: a block with max 6 and amax 6 gives g = 448, s = 448, r = 1."""
@@ -139,4 +149,27 @@ def build_cases() -> list[dict]:
         "key",
         group_size=5,
     )
+    _add_int2(add, rng)
     return cases
+
+
+def _add_int2(add, rng) -> None:
+    """The int2 cases (after every other case, so the earlier cases keep their indices)."""
+    shapes = {"T1": (1, 2, 8), "oddD": (19, 2, 7), "partial": (37, 3, 22), "D1": (6, 1, 1)}
+    for dtype in DTYPES:
+        dn = {BF16: "bf16"}.get(dtype, str(dtype).replace("float", "fp"))
+        for sname, shape in shapes.items():
+            x = _kv_like(rng, shape, dtype)
+            for kind in ("key", "value"):
+                add(f"{sname}/{dn}/int2/{kind}", x, "int2", kind, group_size=16)
+        add(f"empty/{dn}/int2", np.zeros((0, 2, 8), dtype), "int2", "value")
+    x = _kv_like(rng, (70, 2, 26), BF16)
+    for g in (1, 3, 64, 128):
+        add(f"int2_group/{g}/tokens", x, "int2", "key", group_size=g)
+        add(f"int2_group/{g}/channels", x, "int2", "value", group_size=g)
+    add("int2_group/default/key", x, "int2", "key")
+    add("override/int2/key_channels", x, "int2", "key", axis="channels", group_size=8)
+    add("ties/int2", _int2_ties(), "int2", "key", group_size=11)
+    for name, values in _special(rng).items():
+        add(f"special/{name}/int2/key", values, "int2", "key", group_size=4)
+        add(f"special/{name}/int2/value", values.astype(BF16), "int2", "value", group_size=4)

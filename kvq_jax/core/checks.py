@@ -377,6 +377,47 @@ def resolve_loop_args(
     )
 
 
+def residual_formats(residual_format, base_format, num_residuals: int) -> tuple[str, ...]:
+    """The format of each later loop: `residual_format` None (the base's), one name (every
+    later loop) or a sequence of exactly `num_residuals` names (loop 1, 2, ...)."""
+    if residual_format is None:
+        return (base_format,) * num_residuals
+    if isinstance(residual_format, str):
+        return (residual_format,) * num_residuals
+    if not isinstance(residual_format, Sequence):
+        raise TypeError(
+            "residual_format must be None, a format name or a sequence of names (one per later "
+            f"loop), got {type(residual_format).__name__}"
+        )
+    if len(residual_format) != num_residuals:
+        raise ValueError(
+            f"residual_format must name one format per later loop ({num_residuals}), got "
+            f"{len(residual_format)}: {list(residual_format)!r}"
+        )
+    return tuple(residual_format)
+
+
+def resolve_loop_streams(
+    shape, base_format, residual_format, group_size, residual_group_size, positions, window,
+    get_codec,
+):  # fmt: skip
+    """Static arguments of `encode_loops` for a stack of `shape` [L, T, H, D], checked and
+    defaulted, with one residual format per later loop (`residual_formats`). A residual
+    loop in the base's format takes `group_size` unless `residual_group_size` is given; one
+    in another format its own default. `get_codec` is the calling stack's registry lookup.
+    Returns (((format, group_size) per later loop), positions per later loop, window)."""
+    get_codec(base_format)
+    formats = residual_formats(residual_format, base_format, shape[0] - 1)
+    streams = []
+    for fmt in formats:
+        get_codec(fmt)
+        group = residual_group_size
+        if group is None and fmt == base_format:
+            group = group_size  # a different format keeps its own default (None)
+        streams.append((fmt, group))
+    return tuple(streams), _loop_positions(positions, shape[0] - 1), check_window(window)
+
+
 def check_slot(config, slot, name: str = "slot") -> int:
     """A sequence slot: an int in [0, max_seqs); ValueError naming `name` otherwise."""
     if not is_int(slot) or not 0 <= slot < config.max_seqs:

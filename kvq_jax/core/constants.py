@@ -14,8 +14,9 @@ KINDS = ("key", "value")
 AXES = ("tokens", "channels")
 DEFAULT_AXIS = {"key": "tokens", "value": "channels"}
 #: Format names in registry order, and their default group sizes (fp8: D, resolved per call).
-FORMATS = ("int4", "nvfp4", "fp8_e4m3")
+FORMATS = ("int4", "nvfp4", "fp8_e4m3", "int2")
 INT4_DEFAULT_GROUP_SIZE = 64
+INT2_DEFAULT_GROUP_SIZE = 64
 NVFP4_GROUP_SIZE = 16
 
 #: Smallest positive normal float32, 2**-126: smaller magnitudes are flushed to zero.
@@ -31,6 +32,8 @@ NVFP4_GLOBAL_NUMERATOR = np.float32(2688.0)
 NVFP4_ONE_SIXTH = np.float32(1.0 / 6.0)
 #: INT4 levels: codes 0..15, scale = span / 15.
 INT4_LEVELS = np.float32(15.0)
+#: INT2 levels (FlashLoop's 2-bit stream): codes 0..3, scale = span / 3.
+INT2_LEVELS = np.float32(3.0)
 
 #: E2M1 magnitudes by 3-bit code, and signed values by 4-bit code (code 8 is -0.0).
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -56,6 +59,11 @@ def num_groups(length: int, group_size: int) -> int:
 def packed_width(channels: int) -> int:
     """Bytes per row of 4-bit codes: ceil(channels / 2)."""
     return (channels + 1) // 2
+
+
+def packed_width_2bit(channels: int) -> int:
+    """Bytes per row of 2-bit codes: ceil(channels / 4)."""
+    return (channels + 3) // 4
 
 
 def metadata_shape(shape, axis: str, group_size: int) -> tuple[int, int, int]:

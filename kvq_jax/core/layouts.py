@@ -103,6 +103,24 @@ class Int4Layout(FormatLayout):
         }
 
 
+class Int2Layout(FormatLayout):
+    """Affine INT2 (FlashLoop's 2-bit stream): four 2-bit codes per byte, FP16 minimum and
+    scale per group of any size."""
+
+    name = "int2"
+    array_fields = ("codes", "minimum", "scale")
+    default_group_size = constants.INT2_DEFAULT_GROUP_SIZE
+
+    def array_shapes(self, shape, axis, group_size):
+        t, h, d = shape
+        meta = constants.metadata_shape(shape, axis, group_size)
+        return {
+            "codes": ((t, h, constants.packed_width_2bit(d)), _U8),
+            "minimum": (meta, _F16),
+            "scale": (meta, _F16),
+        }
+
+
 class NVFP4Layout(FormatLayout):
     """NVFP4: nibble codes, an E4M3 scale per 16 elements, one float32 scale per tensor."""
 
@@ -155,5 +173,5 @@ class FP8E4M3Layout(FormatLayout):
 
 #: The built-in formats' layouts (each stack registers codecs that derive from these).
 BUILTIN_LAYOUTS: dict[str, FormatLayout] = {
-    layout.name: layout for layout in (Int4Layout(), NVFP4Layout(), FP8E4M3Layout())
+    layout.name: layout for layout in (Int4Layout(), NVFP4Layout(), FP8E4M3Layout(), Int2Layout())
 }

@@ -5,6 +5,12 @@ A policy says how a loop stack [L, T, H, D] of keys or values is stored: loop 0 
 previous loop (`kvq_jax.encode_loops`), keys grouped over tokens and values over channels
 (the defaults), with an optional BF16 window of raw rows (`kvq_jax.Window`). A single-loop
 capture uses the base format only. "bf16" is the unquantized reference row.
+
+Values may have their own formats (`v_base_format`, `v_residual_format`) and a residual
+format may differ per loop (a tuple), which expresses FlashLoop's codec profiles
+(`flashloop_torch.kv_quantization.CODEC_PROFILES`): "legacy" stores keys in 2 bits in every
+loop and values in 4/4/2/2 bits over four loops, "kivi" everything in 2 bits, all in groups
+of 64 (keys per channel over tokens, values per token over channels).
 """
 
 from __future__ import annotations
@@ -22,30 +28,82 @@ class Policy:
     """One storage policy (hashable, static).
 
     name: the row label, e.g. "int4-g64+win".
-    base_format / residual_format: registry names ("int4", "nvfp4", "fp8_e4m3"), or "bf16"
-      for both in the unquantized reference.
-    group_size: INT4 group size for keys and values (None: the format's default).
+    base_format / residual_format: registry names ("int4", "nvfp4", "fp8_e4m3", "int2"), or
+      "bf16" for both in the unquantized reference; the key formats, and the value formats
+      too unless overridden. residual_format may be a tuple: loop 1, 2, ... in turn, its
+      last entry repeating for further loops (a profile written for 4 loops runs on fewer).
+    group_size: group size of every loop in the base's format (None: the format's default);
+      a residual loop in another format takes that format's default (as `encode_loops`).
     window: raw BF16 rows kept unquantized, or None.
+    v_base_format / v_residual_format: the values' formats (None: the key formats).
     """
 
     name: str
     base_format: str
-    residual_format: str
+    residual_format: str | tuple[str, ...]
     group_size: int | None = None
     window: Window | None = None
+    v_base_format: str | None = None
+    v_residual_format: str | tuple[str, ...] | None = None
 
     @property
     def quantized(self) -> bool:
         return self.base_format != "bf16"
 
-    def loop_kwargs(self, kind: str) -> dict:
-        """Keyword arguments of `kvq_jax.encode_loops` (and the Torch mirror) for `kind`."""
+    def formats(self, kind: str) -> tuple[str, str | tuple[str, ...]]:
+        """(base format, residual format or per-loop tuple) of `kind` ("key" or "value")."""
+        if kind not in ("key", "value"):
+            raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+        if kind == "value" and self.v_base_format is not None:
+            residual = self.v_residual_format
+            return self.v_base_format, self.v_base_format if residual is None else residual
+        return self.base_format, self.residual_format
+
+    @property
+    def per_loop(self) -> bool:
+        """True when some kind's later loops do not all share one residual format."""
+        for kind in ("key", "value"):
+            residual = self.formats(kind)[1]
+            if not isinstance(residual, str) and len(set(residual)) > 1:
+                return True
+        return False
+
+    def loop_formats(self, kind: str, num_loops: int) -> tuple[str, ...]:
+        """The format of each of `num_loops` loops of `kind`: the base, then the residuals
+        (a tuple's last entry repeats past its end)."""
+        base, residual = self.formats(kind)
+        if isinstance(residual, str):
+            return (base,) + (residual,) * (num_loops - 1)
+        later = tuple(residual[min(i, len(residual) - 1)] for i in range(num_loops - 1))
+        return (base, *later)
+
+    def stream(self, kind: str, loop: int) -> tuple[str, int | None]:
+        """(format, group_size) of loop `loop` (0-based) of `kind`, as `encode_loops` resolves
+        them: the policy's group size for a loop in the base's format, else None (the
+        format's default)."""
+        formats = self.loop_formats(kind, loop + 1)
+        fmt = formats[loop]
+        return fmt, self.group_size if fmt == formats[0] else None
+
+    def loop_kwargs(self, kind: str, num_loops: int | None = None) -> dict:
+        """Keyword arguments of `kvq_jax.encode_loops` (and the Torch mirror) for `kind`;
+        `num_loops` (L) is needed when the residual formats differ per loop."""
         if not self.quantized:
             raise ValueError(f"policy {self.name!r} is the unquantized reference")
+        base, residual = self.formats(kind)
+        if not isinstance(residual, str):
+            if num_loops is None:
+                raise ValueError(
+                    f"num_loops: policy {self.name!r} has per-loop residual formats; pass the "
+                    "number of loops"
+                )
+            residual = self.loop_formats(kind, num_loops)[1:]
+            if len(set(residual)) == 1:
+                residual = residual[0]
         return dict(
             kind=kind,
-            base_format=self.base_format,
-            residual_format=self.residual_format,
+            base_format=base,
+            residual_format=residual,
             group_size=self.group_size,
             window=self.window,
         )
@@ -72,6 +130,17 @@ POLICIES: dict[str, Policy] = {
                 Policy("nvfp4", "nvfp4", "nvfp4"),
                 Policy("fp8", "fp8_e4m3", "fp8_e4m3"),
                 Policy("mixed", "int4", "nvfp4", group_size=64),
+                # FlashLoop's codec profiles (flashloop_torch CODEC_PROFILES), groups of 64:
+                # keys 2-bit in every loop, values 4/4/2/2 bits; "kivi": all 2-bit.
+                Policy(
+                    "flashloop-legacy",
+                    "int2",
+                    "int2",
+                    group_size=64,
+                    v_base_format="int4",
+                    v_residual_format=("int4", "int2", "int2"),
+                ),
+                Policy("flashloop-kivi", "int2", "int2", group_size=64),
             ]
         ),
     ]

@@ -99,6 +99,15 @@ def cache_config_for(
     that does not fit the page)."""
     if not policy.quantized:
         raise ValueError(f"policy {policy.name!r} is unquantized: it has no PagedCacheConfig")
+    for kind in ("key", "value"):
+        if len(set(policy.loop_formats(kind, num_loops)[1:])) > 1:
+            raise ValueError(
+                f"policy {policy.name!r} stores the later loops of {kind}s in different "
+                f"formats ({policy.loop_formats(kind, num_loops)}); the paged cache holds one "
+                "residual format per kind"
+            )
+    k_base, k_res = policy.loop_formats("key", 2)
+    v_base, v_res = policy.loop_formats("value", 2)
     return PagedCacheConfig(
         num_pages=num_pages,
         page_size=page_size,
@@ -106,10 +115,10 @@ def cache_config_for(
         head_dim=head_dim,
         dtype=dtype,
         num_loops=num_loops,
-        k_base_format=policy.base_format,
-        k_residual_format=policy.residual_format,
-        v_base_format=policy.base_format,
-        v_residual_format=policy.residual_format,
+        k_base_format=k_base,
+        k_residual_format=k_res,
+        v_base_format=v_base,
+        v_residual_format=v_res,
         k_group_size=policy.group_size,
         v_group_size=policy.group_size,
         sink=policy.window.sink if policy.window is not None else 0,

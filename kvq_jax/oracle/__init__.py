@@ -1,8 +1,8 @@
 """kvq scalar oracle: the reference every kvq implementation is judged against, bit for bit.
 
-The oracle implements the three storage formats of docs/FORMAT.md (``int4``, ``nvfp4``,
-``fp8_e4m3``) one element at a time in plain Python. It shares no code with the JAX codecs,
-the Torch codec or the GPU kernels, does not import JAX, and does no numpy arithmetic and no
+The oracle implements the storage formats of docs/FORMAT.md (``int4``, ``nvfp4``,
+``fp8_e4m3``, ``int2``) one element at a time in plain Python. It shares no code with the JAX
+codecs, the Torch codec or the GPU kernels, does not import JAX, and does no numpy arithmetic and no
 ml_dtypes conversion: numpy is only the container for input and output. Every float32
 operation is a Python binary64 operation rounded to float32 with ``struct`` and flushed
 (`kvq_jax.oracle.scalar`); E2M1 and E4M3 encodings are nearest-value searches over tables
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from kvq_jax.oracle import e2m1, e4m3, fp8_e4m3, int4, layout, nvfp4, scalar
+from kvq_jax.oracle import e2m1, e4m3, fp8_e4m3, int2, int4, layout, nvfp4, scalar
 
 __all__ = [
     "AXES",
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 #: Format names.
-FORMATS = ("int4", "nvfp4", "fp8_e4m3")
+FORMATS = ("int4", "nvfp4", "fp8_e4m3", "int2")
 #: Tensor kinds.
 KINDS = ("key", "value")
 #: Grouping axes.
@@ -74,7 +74,7 @@ _BITS_DTYPE = {_F32: np.dtype(np.uint32), _F16: np.dtype(np.uint16), _BF16: np.d
 _BITS_DTYPE.update({_U8: _U8, _E4M3: _U8})
 _VALUE_DTYPES = (_F32, _F16, _BF16)
 
-_CODECS = {"int4": int4, "nvfp4": nvfp4, "fp8_e4m3": fp8_e4m3}
+_CODECS = {"int4": int4, "nvfp4": nvfp4, "fp8_e4m3": fp8_e4m3, "int2": int2}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -84,6 +84,7 @@ class OraclePacked:
     arrays, by format (metadata shape: ``[ceil(T/G), H, D]`` for axis "tokens",
     ``[T, H, ceil(D/G)]`` for axis "channels"):
       int4:     codes uint8 [T, H, ceil(D/2)], minimum float16, scale float16 [metadata]
+      int2:     codes uint8 [T, H, ceil(D/4)], minimum float16, scale float16 [metadata]
       nvfp4:    codes uint8 [T, H, ceil(D/2)], block_scale float8_e4m3fn [metadata],
                 global_scale float32 []
       fp8_e4m3: codes float8_e4m3fn [T, H, D], scale float32 [T, H]
@@ -133,7 +134,7 @@ def _resolve(format, kind, axis, group_size, n_channels: int) -> tuple[str, int]
     if group_size is None:
         return axis, 64
     if group_size < 1:
-        raise ValueError(f"group_size must be >= 1 for int4, got {group_size!r}")
+        raise ValueError(f"group_size must be >= 1 for {format}, got {group_size!r}")
     return axis, int(group_size)
 
 
@@ -144,6 +145,9 @@ def array_spec(format: str, shape, axis: str, group_size: int) -> dict[str, tupl
     if format == "fp8_e4m3":
         return {"codes": (_E4M3, shape), "scale": (_F32, shape[:2])}
     meta = layout.metadata_shape(shape, axis, group_size)
+    if format == "int2":
+        codes = (_U8, layout.packed_shape_2bit(shape))
+        return {"codes": codes, "minimum": (_F16, meta), "scale": (_F16, meta)}
     codes = (_U8, layout.packed_shape(shape))
     if format == "int4":
         return {"codes": codes, "minimum": (_F16, meta), "scale": (_F16, meta)}
@@ -211,7 +215,8 @@ def pack(values: np.ndarray, *, format: str, kind: str, group_size=None, axis=No
 
     `axis` defaults to "tokens" for keys and "channels" for values; FP8 is always
     "channels" with one group of D. `group_size`: int4 any int >= 1 (default 64), nvfp4 16,
-    fp8_e4m3 D. Raises ValueError / TypeError naming the offending argument.
+    fp8_e4m3 D, int2 any int >= 1 (default 64). Raises ValueError / TypeError naming the
+    offending argument.
     """
     if not isinstance(values, np.ndarray):
         raise TypeError(f"values must be a numpy.ndarray, got {type(values).__name__}")

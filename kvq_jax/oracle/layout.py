@@ -129,3 +129,55 @@ def unpack_nibbles(payload: list[int], shape: Shape) -> list[int]:
                         f"codes: padding nibble of (t={t}, h={h}) is {byte >> 4:#x}, not 0"
                     )
     return codes
+
+
+def packed_shape_2bit(shape: Shape) -> Shape:
+    """Shape of a 2-bit payload: ``[T, H, ceil(D/4)]``."""
+    n_tokens, n_heads, n_channels = shape
+    return (n_tokens, n_heads, ceil_div(n_channels, 4))
+
+
+def pack_2bit(codes: list[int], shape: Shape) -> list[int]:
+    """Flat 2-bit codes of ``[T, H, D]`` -> flat bytes of ``[T, H, ceil(D/4)]``.
+
+    Byte j of a (t, h) row holds channel 4j + i in bits 2i .. 2i + 1 (i = 0..3: channel 4j
+    in bits 0-1, 4j + 3 in bits 6-7); channels past D are 0.
+    """
+    n_tokens, n_heads, n_channels = shape
+    out = []
+    for t in range(n_tokens):
+        for h in range(n_heads):
+            for j in range(ceil_div(n_channels, 4)):
+                byte = 0
+                for i in range(4):
+                    d = 4 * j + i
+                    code = codes[element_index(shape, t, h, d)] if d < n_channels else 0
+                    if not 0 <= code <= 3:
+                        raise ValueError("2-bit codes must be in 0..3")
+                    byte |= code << (2 * i)
+                out.append(byte)
+    return out
+
+
+def unpack_2bit(payload: list[int], shape: Shape) -> list[int]:
+    """Flat bytes of ``[T, H, ceil(D/4)]`` -> flat 2-bit codes of ``[T, H, D]``.
+
+    Raises ValueError if a padding code (a channel past D) is not 0.
+    """
+    n_tokens, n_heads, n_channels = shape
+    n_bytes = ceil_div(n_channels, 4)
+    codes = []
+    for t in range(n_tokens):
+        for h in range(n_heads):
+            for j in range(n_bytes):
+                byte = payload[(t * n_heads + h) * n_bytes + j]
+                for i in range(4):
+                    code = (byte >> (2 * i)) & 0x3
+                    if 4 * j + i < n_channels:
+                        codes.append(code)
+                    elif code:
+                        raise ValueError(
+                            f"codes: padding code of (t={t}, h={h}, channel {4 * j + i}) is "
+                            f"{code}, not 0"
+                        )
+    return codes

@@ -121,10 +121,18 @@ def encode_loops(
     positions=None,
     window=None,
 ):
-    """Loop stack [L, T, H, D] -> (base, [residual per later loop]), closed loop."""
-    residual_format = base_format if residual_format is None else residual_format
-    if residual_group_size is None and residual_format == base_format:
-        residual_group_size = group_size
+    """Loop stack [L, T, H, D] -> (base, [residual per later loop]), closed loop.
+
+    residual_format: None (the base's), one name, or one name per later loop. A later loop in
+    the base's format takes `group_size` unless `residual_group_size` is given; another
+    format its own default."""
+    n_res = loops.shape[0] - 1
+    if residual_format is None or isinstance(residual_format, str):
+        formats = [base_format if residual_format is None else residual_format] * n_res
+    else:
+        formats = list(residual_format)  # one format per later loop
+        if len(formats) != n_res:
+            raise ValueError(f"residual_format: expected {n_res} formats, got {len(formats)}")
     base_args = dict(format=base_format, kind=kind, group_size=group_size, axis=axis)
     if window is None:
         base = oracle.pack(loops[0], **base_args)
@@ -133,14 +141,17 @@ def encode_loops(
     recon = unpack_any(base)
     positions = [None] * (loops.shape[0] - 1) if positions is None else list(positions)
     residuals = []
-    for current, pos in zip(loops[1:], positions, strict=True):
+    for current, pos, fmt in zip(loops[1:], positions, formats, strict=True):
         rows = current if pos is None else current[np.asarray(pos)]
+        group = residual_group_size
+        if group is None and fmt == base_format:
+            group = group_size
         res = encode_residual(
             rows,
             recon,
             kind=kind,
-            format=residual_format,
-            group_size=residual_group_size,
+            format=fmt,
+            group_size=group,
             axis=axis,
             positions=pos,
             window=window,

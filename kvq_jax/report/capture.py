@@ -53,6 +53,10 @@ class Capture:
     def num_layers(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[3]
+
 
 def _check(name: str, x: np.ndarray) -> np.ndarray:
     if x.ndim not in (5, 6):

@@ -14,6 +14,11 @@ policy compiles once. Measured (all relative L2, pooled; see `metrics`):
   attention         causal GQA attention with the captured queries, original vs decoded K/V:
                     one error per (layer, query head), pooled over windows, loops, tokens and
                     dim; mean and max over layers and heads (plus the final loop alone)
+  decode-like       the same for the last DECODE_QUERIES queries of each window, each attending
+    attention       as a decode step does: the rows of the policy's window relative to that
+                    query raw (the first `sink` tokens and its own `recent` newest tokens, as
+                    the append-time cache's sink and staging rows hold them), every other row
+                    decoded; without a window every row is decoded
 
 "bf16" is the reference row: zero error, the capture dtype's own bits (16 for bfloat16).
 """
@@ -37,8 +42,16 @@ from kvq_jax.api import unpack_kv
 from kvq_jax.core.policies import Policy
 from kvq_jax.loops import decode_loops, encode_loops
 from kvq_jax.report.capture import Capture
-from kvq_jax.report.metrics import batched_attention, pool, square_sums
+from kvq_jax.report.metrics import (
+    batched_attention,
+    batched_decode_attention,
+    pool,
+    square_sums,
+)
 from kvq_jax.report.progress import progress
+
+#: Queries per window of the decode-like attention error: the last 64 (all when fewer).
+DECODE_QUERIES = 64
 
 
 @dataclasses.dataclass
@@ -54,6 +67,8 @@ class PolicyResult:
     residual_format: str
     group_size: int | None
     window: tuple[int, int] | None
+    k_loop_formats: list[str]
+    v_loop_formats: list[str]
     bits_per_element: float
     k_bits_per_element: float
     v_bits_per_element: float
@@ -73,6 +88,11 @@ class PolicyResult:
     attention_final_loop_mean: float | None
     attention_final_loop_max: float | None
     attention_layer_head: list[list[float]] | None
+    attention_decode_mean: float | None
+    attention_decode_max: float | None
+    attention_decode_final_loop_mean: float | None
+    attention_decode_layer_head: list[list[float]] | None
+    attention_decode_queries: int | None
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,7 +125,7 @@ def _stack_sums(stack, kind: str, policy: Policy):
     """Encode/decode one [L, T, H, D] stack; returns (code, recon, sums) with float32 sums
     [L, H] (every row of every loop) and [L, H] payload sums (quantized rows: base, residuals).
     """
-    code = encode_loops(stack, **policy.loop_kwargs(kind))
+    code = encode_loops(stack, **policy.loop_kwargs(kind, stack.shape[0]))
     recon = decode_loops(code)
     rows = stack.shape[1]
     head, middle, _ = policy.window.split_sizes(rows) if policy.window else (0, rows, 0)
@@ -140,11 +160,25 @@ def attention_sums(q, k_hat, v_hat, ref_out):
     return square_sums(ref_out, batched_attention(q, k_hat, v_hat))
 
 
+@functools.partial(jax.jit, static_argnames=("sink", "recent"))
+def decode_attention_sums(q, k, v, k_hat, v_hat, ref_out, *, sink: int, recent: int):
+    """Decode-like attention error partial sums [B, L, Hq] of the last DECODE_QUERIES queries
+    (`metrics.decode_attention`; ref_out: the original stacks' attention [B, L, T, Hq, D])."""
+    n = min(DECODE_QUERIES, q.shape[-3])
+    out = batched_decode_attention(q, k, v, k_hat, v_hat, sink=sink, recent=recent, num_queries=n)
+    return square_sums(ref_out[..., q.shape[-3] - n :, :, :], out)
+
+
 def _run_policy(policy: Policy, k, v, q, ref_out):
     start = time.perf_counter()
     k_code, v_code, k_hat, v_hat, sums = policy_sums(k, v, policy=policy)
     if q is not None:
         sums["attn_err"], sums["attn_ref"] = attention_sums(q, k_hat, v_hat, ref_out)
+        window = policy.window
+        sink, recent = (window.sink, window.recent) if window is not None else (0, 0)
+        sums["dec_err"], sums["dec_ref"] = decode_attention_sums(
+            q, k, v, k_hat, v_hat, ref_out, sink=sink, recent=recent
+        )
     jax.block_until_ready(sums)
     return k_code, v_code, sums, time.perf_counter() - start
 
@@ -165,6 +199,8 @@ def _reference_row(policy: Policy, capture: Capture, num_elements: int) -> Polic
         residual_format=policy.residual_format,
         group_size=policy.group_size,
         window=_window_tuple(policy),
+        k_loop_formats=["bf16"] * loops,
+        v_loop_formats=["bf16"] * loops,
         bits_per_element=bits,
         k_bits_per_element=bits,
         v_bits_per_element=bits,
@@ -184,11 +220,18 @@ def _reference_row(policy: Policy, capture: Capture, num_elements: int) -> Polic
         attention_final_loop_mean=0.0 if has_q else None,
         attention_final_loop_max=0.0 if has_q else None,
         attention_layer_head=[[0.0] * q_heads for _ in range(layers)] if has_q else None,
+        attention_decode_mean=0.0 if has_q else None,
+        attention_decode_max=0.0 if has_q else None,
+        attention_decode_final_loop_mean=0.0 if has_q else None,
+        attention_decode_layer_head=[[0.0] * q_heads for _ in range(layers)] if has_q else None,
+        attention_decode_queries=min(DECODE_QUERIES, capture.num_tokens) if has_q else None,
         seconds=0.0,
     )
 
 
-def _row(policy, k_code, v_code, sums, num_windows, num_elements, seconds) -> PolicyResult:
+def _row(
+    policy, k_code, v_code, sums, num_windows, num_elements, seconds, num_loops, num_queries
+) -> PolicyResult:
     s = {n: unstack(a, num_windows) for n, a in sums.items()}  # [W, L, N, H]
     k_bytes, v_bytes = int(k_code.storage_bytes), int(v_code.storage_bytes)
     attn = {}
@@ -202,6 +245,15 @@ def _row(policy, k_code, v_code, sums, num_windows, num_elements, seconds) -> Po
             attention_final_loop_max=float(final.max()),
             attention_layer_head=per_lh.tolist(),
         )
+        per_lh = pool(s["dec_err"], s["dec_ref"], axis=(0, 1))  # [N, Hq]
+        final = pool(s["dec_err"][:, -1], s["dec_ref"][:, -1], axis=0)  # [N, Hq]
+        attn.update(
+            attention_decode_mean=float(per_lh.mean()),
+            attention_decode_max=float(per_lh.max()),
+            attention_decode_final_loop_mean=float(final.mean()),
+            attention_decode_layer_head=per_lh.tolist(),
+            attention_decode_queries=num_queries,
+        )
     else:
         attn = dict.fromkeys(
             (
@@ -210,6 +262,11 @@ def _row(policy, k_code, v_code, sums, num_windows, num_elements, seconds) -> Po
                 "attention_final_loop_mean",
                 "attention_final_loop_max",
                 "attention_layer_head",
+                "attention_decode_mean",
+                "attention_decode_max",
+                "attention_decode_final_loop_mean",
+                "attention_decode_layer_head",
+                "attention_decode_queries",
             )
         )
     by_loop = (0, 2, 3)  # pool over windows, layers, heads; keep loops
@@ -227,6 +284,8 @@ def _row(policy, k_code, v_code, sums, num_windows, num_elements, seconds) -> Po
         residual_format=policy.residual_format,
         group_size=policy.group_size,
         window=_window_tuple(policy),
+        k_loop_formats=list(policy.loop_formats("key", num_loops)),
+        v_loop_formats=list(policy.loop_formats("value", num_loops)),
         bits_per_element=8.0 * (k_bytes + v_bytes) / (2 * num_elements),
         k_bits_per_element=8.0 * k_bytes / num_elements,
         v_bits_per_element=8.0 * v_bytes / num_elements,
@@ -264,7 +323,15 @@ def evaluate(capture: Capture, policies: list[Policy], *, show_progress=None) ->
             policy = futures[future]
             k_code, v_code, sums, seconds = future.result()
             done[policy] = _row(
-                policy, k_code, v_code, sums, capture.num_windows, num_elements, seconds
+                policy,
+                k_code,
+                v_code,
+                sums,
+                capture.num_windows,
+                num_elements,
+                seconds,
+                capture.num_loops,
+                min(DECODE_QUERIES, capture.num_tokens),
             )
             if hasattr(bar, "set_postfix_str"):
                 bar.set_postfix_str(policy.name)

@@ -65,3 +65,39 @@ def pool(err_sq, ref_sq, axis=None) -> np.ndarray | float:
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(e == 0, 0.0, np.sqrt(e / r))
     return float(out) if np.ndim(out) == 0 else out
+
+
+def decode_attention(q, k, v, k_hat, v_hat, *, sink: int, recent: int, num_queries: int):
+    """Decode-like attention of the last `num_queries` queries of one sequence, float32
+    [num_queries, Hq, D]: query t attends keys s <= t, reading the raw K/V rows of its own
+    window (s < sink, the attention sink, or t - s < recent, the newest rows, as the
+    append-time cache's sink and staging rows hold them) and the decoded rows k_hat, v_hat
+    everywhere else. With sink = recent = 0 every row is decoded.
+
+    q: [T, Hq, D]; k, v, k_hat, v_hat: [T, H, D] (any float dtype; computed in float32).
+    """
+    q, k, v, k_hat, v_hat = (jnp.asarray(x, jnp.float32) for x in (q, k, v, k_hat, v_hat))
+    t, hq, d = q.shape
+    h = k.shape[1]
+    rows = jnp.arange(t - num_queries, t)[:, None]  # query positions [Q, 1]
+    cols = jnp.arange(t)[None, :]  # key positions [1, T]
+    raw = (cols < sink) | (rows - cols < recent)  # [Q, T]
+    qg = q[t - num_queries :].reshape(num_queries, h, hq // h, d)
+    hi = jax.lax.Precision.HIGHEST
+    scale = np.float32(np.sqrt(d))
+    s_raw = jnp.einsum("thgd,shd->hgts", qg, k, precision=hi) / scale
+    s_hat = jnp.einsum("thgd,shd->hgts", qg, k_hat, precision=hi) / scale
+    scores = jnp.where(cols <= rows, jnp.where(raw, s_raw, s_hat), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("hgts,shd->thgd", jnp.where(raw, probs, 0.0), v, precision=hi)
+    out += jnp.einsum("hgts,shd->thgd", jnp.where(raw, 0.0, probs), v_hat, precision=hi)
+    return out.reshape(num_queries, hq, d)
+
+
+def batched_decode_attention(q, k, v, k_hat, v_hat, **kwargs) -> jnp.ndarray:
+    """`decode_attention` over leading axes, one sequence at a time. q: [B..., T, Hq, D]; the
+    K/V arrays [B..., T, H, D]. Returns float32 [B..., num_queries, Hq, D]."""
+    lead = q.shape[:-3]
+    flat = [x.reshape((-1, *x.shape[-3:])) for x in (q, k, v, k_hat, v_hat)]
+    out = jax.lax.map(lambda args: decode_attention(*args, **kwargs), tuple(flat))
+    return out.reshape((*lead, *out.shape[-3:]))

@@ -1,19 +1,25 @@
 """`kvq report --plot FILE.png`: error (percent) vs bits/element, one labelled point per policy.
 
-Three panels: K reconstruction, V reconstruction and attention output (mean over layers and
-query heads; the panel is left empty without queries). matplotlib is imported lazily with
-the Agg backend (the `plot` extra).
+Four panels: K reconstruction, V reconstruction, attention output (mean over layers and
+query heads) and decode-like attention (the attention panels are left empty without
+queries). matplotlib is imported lazily with the Agg backend (the `plot` extra).
 """
 
 from __future__ import annotations
 
 from kvq_jax.report.evaluate import PolicyResult
 
-_COLORS = {"int4": "tab:blue", "nvfp4": "tab:orange", "fp8_e4m3": "tab:green", "bf16": "black"}
+_COLORS = {
+    "int4": "tab:blue",
+    "nvfp4": "tab:orange",
+    "fp8_e4m3": "tab:green",
+    "int2": "tab:red",
+    "bf16": "black",
+}
 
 
 def _color(r: PolicyResult) -> str:
-    if r.base_format != r.residual_format:
+    if len(set(r.k_loop_formats) | set(r.v_loop_formats)) > 1:
         return "tab:purple"
     return _COLORS.get(r.base_format, "tab:gray")
 
@@ -31,10 +37,12 @@ def write_plot(results: list[PolicyResult], path, title: str = "") -> None:
         ("K relative L2 (%)", lambda r: r.k_rel_l2),
         ("V relative L2 (%)", lambda r: r.v_rel_l2),
         ("attention output error, mean over layers x heads (%)", lambda r: r.attention_mean),
-    )
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5.6), constrained_layout=True)
+        ("decode-like attention error (last 64 queries, own window raw) (%)",
+         lambda r: r.attention_decode_mean),
+    )  # fmt: skip
+    fig, axes = plt.subplots(2, 2, figsize=(14, 10.5), constrained_layout=True)
     xmax = max(r.bits_per_element for r in results)
-    for ax, (label, value) in zip(axes, panels, strict=True):
+    for ax, (label, value) in zip(axes.flat, panels, strict=True):
         points = [(r, 100 * value(r)) for r in results if value(r) is not None]
         for r, y in points:
             windowed = r.window is not None
@@ -50,7 +58,7 @@ def write_plot(results: list[PolicyResult], path, title: str = "") -> None:
         ax.set_xlabel("bits / element (K and V, all loops)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-        ax.set_xlim(3.5, xmax * 1.1 + 1)
+        ax.set_xlim(min(3.5, *(r.bits_per_element - 0.5 for r in results)), xmax * 1.1 + 1)
         ax.set_ylim(0, max([1e-3, *(y for _, y in points)]) * 1.15)
         if not points:
             ax.text(0.5, 0.5, "no queries in the capture", ha="center", transform=ax.transAxes)

@@ -19,6 +19,7 @@ COLUMNS = (
     ("V err", 7),
     ("attn mean", 9),
     ("attn max", 8),
+    ("attn dec", 8),
     ("K base", 7),
     ("K res", 7),
     ("V base", 7),
@@ -97,6 +98,7 @@ def _cells(r: PolicyResult) -> list[str]:
         _pct(r.v_rel_l2),
         _pct(r.attention_mean),
         _pct(r.attention_max),
+        _pct(r.attention_decode_mean),
         _pct(r.k_base_rel_l2),
         _pct(k_res),
         _pct(r.v_base_rel_l2),
@@ -119,7 +121,9 @@ LEGEND = (
     "bits/el: storage bits per K/V element (codes + metadata + raw window rows, all loops).\n"
     "K err, V err: relative L2 of the decoded cache, every loop, layer, head and token.\n"
     "attn: relative L2 of causal attention output (captured queries, GQA, float32), per\n"
-    "  layer and query head; mean and max over them.\n"
+    "  layer and query head; mean and max over them. attn dec: the same, mean, for the last\n"
+    "  64 queries of each window attending as in decode: the window rows relative to each\n"
+    "  query raw (first 4, its own 16 newest) for +win policies, every other row decoded.\n"
     "K/V base, res: payload errors on the quantized rows: loop 0, and the last residual\n"
     "  (decoded delta vs X_l - R_(l-1)). +win keeps the first 4 and last 16 tokens in bf16."
 )

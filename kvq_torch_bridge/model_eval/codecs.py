@@ -1,39 +1,21 @@
 """The KV codecs the attention hook calls: kvq's Torch codec in-process, or the jitted JAX
 codec reached through the DLPack bridge. Both code one [T, H, D] tensor per call with the
 semantics of `encode_loops`: loop 0 packed whole in the base format, loop l >= 1 a residual
-against the reconstructed loop l - 1, the policy's BF16 window kept raw in every loop.
+against the reconstructed loop l - 1 in that loop's format (`Policy.stream`: K and V may
+differ, and so may the loops), the policy's BF16 window kept raw in every loop.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 
-from kvq_jax.core.checks import resolve_loop_args
 from kvq_jax.core.policies import Policy
 from kvq_torch_bridge.api import pack_kv, unpack_kv
-from kvq_torch_bridge.registry import get_codec
 from kvq_torch_bridge.residual import decode_residual, encode_residual
 
 CODECS = ("torch", "jax")
-
-
-@functools.cache
-def _residual_args(policy: Policy) -> tuple[str, int | None]:
-    """(residual format, residual group size) exactly as `encode_loops` resolves them."""
-    residual_format, r_group, _, _ = resolve_loop_args(
-        (2,),
-        policy.base_format,
-        policy.residual_format,
-        policy.group_size,
-        None,
-        None,
-        policy.window,
-        get_codec,
-    )
-    return residual_format, r_group
 
 
 class TorchLoopCoder:
@@ -42,16 +24,14 @@ class TorchLoopCoder:
     name = "torch"
 
     def base(self, x: torch.Tensor, policy: Policy, kind: str) -> torch.Tensor:
-        packed = pack_kv(
-            x, kind=kind, format=policy.base_format, group_size=policy.group_size,
-            window=policy.window,
-        )  # fmt: skip
+        fmt, group = policy.stream(kind, 0)
+        packed = pack_kv(x, kind=kind, format=fmt, group_size=group, window=policy.window)
         return unpack_kv(packed)
 
     def residual(
-        self, x: torch.Tensor, previous: torch.Tensor, policy: Policy, kind: str
+        self, x: torch.Tensor, previous: torch.Tensor, policy: Policy, kind: str, loop: int = 1
     ) -> torch.Tensor:
-        fmt, group = _residual_args(policy)
+        fmt, group = policy.stream(kind, loop)
         code = encode_residual(
             x, previous, kind=kind, format=fmt, group_size=group, window=policy.window
         )
@@ -85,18 +65,18 @@ class JaxLoopCoder:
     def base(self, x: torch.Tensor, policy: Policy, kind: str) -> torch.Tensor:
         import kvq_jax
 
+        fmt, group = policy.stream(kind, 0)
         packed = kvq_jax.pack_kv(
-            self._to_jax(x), kind=kind, format=policy.base_format,
-            group_size=policy.group_size, window=policy.window,
-        )  # fmt: skip
+            self._to_jax(x), kind=kind, format=fmt, group_size=group, window=policy.window
+        )
         return self._to_torch(kvq_jax.unpack_kv(packed))
 
     def residual(
-        self, x: torch.Tensor, previous: torch.Tensor, policy: Policy, kind: str
+        self, x: torch.Tensor, previous: torch.Tensor, policy: Policy, kind: str, loop: int = 1
     ) -> torch.Tensor:
         import kvq_jax
 
-        fmt, group = _residual_args(policy)
+        fmt, group = policy.stream(kind, loop)
         prev = self._to_jax(previous)
         code = kvq_jax.encode_residual(
             self._to_jax(x), prev, kind=kind, format=fmt, group_size=group, window=policy.window

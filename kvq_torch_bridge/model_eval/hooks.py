@@ -85,7 +85,7 @@ class KVQuantizer:
             if self.loop == 0:
                 recon = self.coder.base(rows, self.policy, kind)
             else:
-                recon = self.coder.residual(rows, previous[b], self.policy, kind)
+                recon = self.coder.residual(rows, previous[b], self.policy, kind, self.loop)
             out.append(recon)
         self._recon[(layer, kind)] = out
         return torch.stack(out).transpose(1, 2)
