@@ -10,9 +10,10 @@ P-page pool. Timed, median of N runs, each blocked until ready:
              updated in place, each run appends to the previous run's result);
   attention  `paged_decode_attention` over the context (the XLA path on a CPU).
 "bf16" is the unquantized baseline in the same process: a bf16 page pool updated in place by a
-donated scatter (on its uint16 bits, as the cache does: XLA:CPU widens a bf16 scatter to float32,
-copying the pool), attended by gathering its pages (the same math). The append's time should not
-depend on P (flat from 64 to 8192 pages: "x_p64" is the ratio to the 64-page pool).
+donated scatter (held as uint16 bits, as the cache holds E4M3 fields as uint8: XLA:CPU widens a
+bf16 scatter to float32, copying the pool), attended by gathering its pages (the same math).
+The append's time should not depend on P (flat from 64 to 8192 pages: "x_p64" is the ratio to
+the 64-page pool).
 
 Swap and save (per format): one sequence of `--swap-tokens` tokens in a 3-loop cache (every
 loop plane, staging and sink rows), timed as
@@ -86,16 +87,18 @@ def _tokens(key, n):
 def _bf16_attention(q, k_pages, v_pages, tables, lens):
     b, n = tables.shape
     shape = (b, n * PAGE, HEADS, HEAD_DIM)
-    return dense_decode_attention(q, k_pages[tables].reshape(shape),
-                                  v_pages[tables].reshape(shape), lens)  # fmt: skip
+
+    def rows(pages):  # the uint16 pool's pages of the batch, as bf16
+        return jax.lax.bitcast_convert_type(pages[tables], jnp.bfloat16).reshape(shape)
+
+    return dense_decode_attention(q, rows(k_pages), rows(v_pages), lens)
 
 
 def _bf16_append(pool_k, pool_v, k, v, pages, rows):
-    # On the uint16 bits: XLA:CPU widens a bf16 scatter to float32 (a copy of the pool).
+    # The pools hold bf16 as uint16 bits: XLA:CPU widens a bf16 scatter (or a bitcast around
+    # it) to a pass over the whole pool, as the cache's float8 planes would be.
     def put(pool, x):
-        bits = jax.lax.bitcast_convert_type(pool, jnp.uint16)
-        new = jax.lax.bitcast_convert_type(x[:, 0], jnp.uint16)
-        return jax.lax.bitcast_convert_type(bits.at[pages, rows].set(new), jnp.bfloat16)
+        return pool.at[pages, rows].set(jax.lax.bitcast_convert_type(x[:, 0], jnp.uint16))
 
     return put(pool_k, k), put(pool_v, v)
 
@@ -119,8 +122,8 @@ def bench_steps(args, warmup, repeats) -> list[dict]:
         tables = _tables(pool, pages_per_seq, rng)
         attn_tables = jnp.asarray(tables[:, : -(-ctx // PAGE)])
         # bf16 baseline: pool [P, page, H, D] in place, attention over gathered pages.
-        pool_k = jnp.zeros((pool, PAGE, HEADS, HEAD_DIM), jnp.bfloat16)
-        pool_v = jnp.zeros((pool, PAGE, HEADS, HEAD_DIM), jnp.bfloat16)
+        pool_k = jnp.zeros((pool, PAGE, HEADS, HEAD_DIM), jnp.uint16)
+        pool_v = jnp.zeros((pool, PAGE, HEADS, HEAD_DIM), jnp.uint16)
         pos = ctx - 1
         page_ids = jnp.asarray(tables[:, pos // PAGE])
         state = [pool_k, pool_v]

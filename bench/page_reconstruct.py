@@ -33,11 +33,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import _timing
 
+from kvq_jax.core.registry import layout
 from kvq_jax.kernels import backend as kernel_backend
 from kvq_jax.kernels.page_reconstruct import arg_specs, config_support, decode_pages
 
@@ -66,14 +68,27 @@ def random_leaf(key, leaf):
     return (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)  # INT4 f16 meta
 
 
+def random_plane(key, packed):
+    """Random contents of a stored plane: each field drawn in its format's dtype, then held
+    as the cache holds it (E4M3 fields as uint8 bits)."""
+    shapes = layout(packed.format).array_shapes(packed.shape, packed.axis, packed.group_size)
+    arrays = {}
+    for i, (name, leaf) in enumerate(packed.arrays.items()):
+        value = random_leaf(
+            jax.random.fold_in(key, i), jax.ShapeDtypeStruct(leaf.shape, shapes[name][1])
+        )
+        arrays[name] = lax.bitcast_convert_type(value, leaf.dtype)
+    return dataclasses.replace(packed, **arrays)
+
+
 def random_cache(spec: arg_specs.ReconstructSpec, seed: int = 0):
     abstract = spec.abstract_cache()
-    planes = {f: getattr(abstract, f) for f in ("k_base", "v_base", "k_delta", "v_delta")}
-    leaves, treedef = jax.tree.flatten(planes)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    filled = jax.tree.unflatten(
-        treedef, [random_leaf(k, s) for k, s in zip(keys, leaves, strict=True)]
-    )
+    key = jax.random.key(seed)
+    filled = {
+        f: random_plane(jax.random.fold_in(key, i), getattr(abstract, f))
+        for i, f in enumerate(("k_base", "v_base", "k_delta", "v_delta"))
+        if getattr(abstract, f) is not None
+    }
     empty = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
     return dataclasses.replace(empty, **filled)
 

@@ -7,7 +7,8 @@ axis "channels": a group is G consecutive channels of one (token, head);
 
 The last group may be partial (`kvq_jax.core.groups` has the geometry). `split` pads it with a
 caller-chosen fill value (an identity of the reduction, so padding never enters a statistic)
-and `merge` crops the padding away.
+and `merge` crops the padding away. `split_edge` pads with copies of the last real member
+instead: min, max and "all finite" of a group are unchanged by it, in any dtype.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ class GroupLayout(GroupGeometry):
         if pad:
             x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)], constant_values=fill)
         return x.reshape(t, h, self.num_groups, g)
+
+    def split_edge(self, x: jnp.ndarray) -> jnp.ndarray:
+        """[T, H, D] -> grouped view; a partial group repeats its last member (any dtype)."""
+        if self.padding:
+            widths = [(0, 0)] * 3
+            widths[self.dim] = (0, self.padding)
+            x = jnp.pad(x, widths, mode="edge")
+        return GroupLayout(x.shape, self.axis, self.group_size).split(x, 0)
 
     def merge(self, xg: jnp.ndarray) -> jnp.ndarray:
         """Grouped view -> [T, H, D], dropping the padding of a partial last group."""

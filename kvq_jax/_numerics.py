@@ -7,6 +7,8 @@ flush-to-zero of subnormal inputs and results.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,19 +49,73 @@ def _barrier_divide_vmap(axis_size, in_batched, a, b):
     return _barrier_divide(a, b), True
 
 
-def divide(a, b) -> jnp.ndarray:
+def divide_barrier(a, b) -> jnp.ndarray:
+    """IEEE float32 a / b through an optimization barrier (both operands materialized at the
+    full broadcast shape, under vmap too): XLA cannot see a broadcast divisor to rewrite."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    return _barrier_divide(jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape))
+
+
+def divide_f64(a, b) -> jnp.ndarray:
+    """IEEE float32 a / b computed in float64 and rounded once to float32 (fuses freely).
+
+    Both operands are float32, so the float64 quotient is within 2**-53 (relative) of the
+    exact one, and even XLA's reciprocal-multiply rewrite in float64 stays within ~2**-52. The
+    exact quotient of two float32 numbers is never a float32 rounding midpoint (a midpoint
+    times a 24-bit significand needs more than 24 bits) and lies at least ~2**-49 (relative)
+    away from one, so rounding the float64 result to float32 gives the correctly rounded
+    quotient (overflow to inf, zero, inf and NaN operands included). float64 is traced under
+    `jax.enable_x64` whatever the global setting; the result is float32.
+    """
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    with jax.enable_x64(True):
+        q = lax.div(*jnp.broadcast_arrays(a.astype(np.float64), b.astype(np.float64)))
+        return q.astype(np.float32)
+
+
+#: The division path forced by `division_path` (None: chosen per platform at lowering).
+_FORCED_PATH: str | None = None
+DIVISION_PATHS = ("f64", "barrier")
+
+
+@contextlib.contextmanager
+def division_path(path: str | None):
+    """Force `divide` to the "f64" or "barrier" path (None: by platform) while tracing inside
+    the block. For tests: jit a fresh function inside the block (jax caches traces)."""
+    global _FORCED_PATH
+    if path is not None and path not in DIVISION_PATHS:
+        raise ValueError(f"path must be one of {DIVISION_PATHS} or None, got {path!r}")
+    saved, _FORCED_PATH = _FORCED_PATH, path
+    try:
+        yield
+    finally:
+        _FORCED_PATH = saved
+
+
+def divide(a, b, *, fuse: bool = True) -> jnp.ndarray:
     """IEEE float32 a / b (correctly rounded), element-wise with broadcasting.
 
     XLA's algebraic simplifier rewrites a division by a broadcast operand (a constant, a
     scalar or a per-group statistic) into a multiplication by its reciprocal, which is not
     correctly rounded: measured on XLA:CPU, `x / 15` and `x / scale[..., None]` differ from
-    IEEE division in ~20% of elements. Both operands are materialized at the full shape behind
-    an optimization barrier (under vmap too), so the true division survives. Every division in
-    kvq goes through here.
+    IEEE division in ~20% of elements. Two exact paths: `divide_f64` (fuses, vectorizes; used
+    when lowering for CPU) and `divide_barrier` (float32 behind an optimization barrier, which
+    stops fusion; every other platform, where float64 is slow). Every division in kvq goes
+    through here.
+
+    fuse=False always takes the barrier: for quotients of per-group statistics that element-wise
+    loops consume (XLA would otherwise fuse the float64 division into those loops and redo it
+    per element; measured 2x slower NVFP4 unpack on XLA:CPU).
     """
+    if _FORCED_PATH == "f64":
+        return divide_f64(a, b)
+    if _FORCED_PATH == "barrier" or not fuse:
+        return divide_barrier(a, b)
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     shape = jnp.broadcast_shapes(a.shape, b.shape)
-    return _barrier_divide(jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape))
+    a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+    return lax.platform_dependent(a, b, cpu=divide_f64, default=divide_barrier)
 
 
 def widen(values: jnp.ndarray) -> jnp.ndarray:

@@ -3,7 +3,10 @@
 Layout (P physical pages of `page_size` tokens, L loops, S sequence slots, H heads, D dims):
 
     k_base, v_base:    PackedKV, batch shape (P,): loop 0 of every physical page, packed as
-                       `pack_paged` packs it.
+                       `pack_paged` packs it, 1-byte float fields (E4M3 block scales, FP8
+                       codes) held as their uint8 bits (`rest_dtype`; `codec_view` reads
+                       them back): XLA:CPU widens any update of a float8 array, a pass over the
+                       whole pool, where an update of uint8 bits writes only its pages.
     k_delta, v_delta:  PackedKV, batch shape (L - 1, P) (None for L == 1): plane l - 1 holds
                        loop l of every physical page as a residual delta against the
                        *reconstructed* loop l - 1 of the same physical page (the payload of
@@ -29,17 +32,30 @@ loop, from its decoded pages, its staging page and its sink rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvq_jax.core.cache_config import PagedCacheConfig
-from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase
+from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, rest_dtype
+from kvq_jax.core.registry import layout
 from kvq_jax.packed import PackedKV
 from kvq_jax.registry import get_codec
 
-__all__ = ["PagedCacheConfig", "PagedKVCache", "check_cache", "init_cache", "planes"]
+__all__ = [
+    "PagedCacheConfig",
+    "PagedKVCache",
+    "check_cache",
+    "codec_view",
+    "head_shardings",
+    "init_cache",
+    "planes",
+]
 
 
 class PagedKVCache(PagedCacheBase):
@@ -59,19 +75,33 @@ def check_cache(cache) -> PagedCacheConfig:
 
 
 def planes(cache: PagedKVCache, kind: str) -> tuple[PackedKV, PackedKV | None]:
-    """(base, delta) packed planes of K ("key") or V ("value")."""
+    """(base, delta) packed planes of K ("key") or V ("value"), as stored (`codec_view` gives the
+    format's dtypes)."""
     if kind == "key":
         return cache.k_base, cache.k_delta
     return cache.v_base, cache.v_delta
 
 
+def _bitcast(a, dtype):
+    return a if a.dtype == dtype else lax.bitcast_convert_type(a, dtype)
+
+
+def codec_view(packed: PackedKV) -> PackedKV:
+    """A stored plane (or pages taken from one) with its format's dtypes, as `unpack_kv` and
+    `pack_kv` see it (same bytes)."""
+    shapes = layout(packed.format).array_shapes(packed.shape, packed.axis, packed.group_size)
+    fields = {n: _bitcast(a, shapes[n][1]) for n, a in packed.arrays.items()}
+    return dataclasses.replace(packed, **fields)
+
+
 def empty_packed(config: PagedCacheConfig, pack_args: dict, batch: tuple[int, ...]) -> PackedKV:
-    """Zero packed pages with leading axes `batch`, as `pack_kv(**pack_args)` packs a page."""
+    """Zero packed pages with leading axes `batch`, as `pack_kv(**pack_args)` packs a page and
+    the cache stores it (`rest_dtype`)."""
     args = dict(pack_args)
     codec = get_codec(args.pop("format"))  # this stack must implement the format
     page = jax.ShapeDtypeStruct(config.page_shape, config.dtype)
     shapes = jax.eval_shape(functools.partial(codec.pack, **args), page)
-    return jax.tree.map(lambda s: jnp.zeros((*batch, *s.shape), s.dtype), shapes)
+    return jax.tree.map(lambda s: jnp.zeros((*batch, *s.shape), rest_dtype(s.dtype)), shapes)
 
 
 def init_cache(config: PagedCacheConfig) -> PagedKVCache:
@@ -107,6 +137,39 @@ def init_cache(config: PagedCacheConfig) -> PagedKVCache:
         else None,
         config=c,
     )
+
+
+def head_shardings(cache: PagedKVCache, mesh, axis: str):
+    """NamedShardings (a pytree like `cache`) that split every per-head array over the KV-head
+    axis H along mesh axis `axis`: each packed field with a head axis ([..., T', H, D']), the
+    staging and sink rows ([L, S, rows, H, D]); per-page NVFP4 global scales, seq_lens and the
+    exit maps are replicated. H must be a multiple of the mesh axis size (ValueError)."""
+    config = check_cache(cache)
+    size = mesh.shape.get(axis)
+    if size is None or config.num_heads % size:
+        raise ValueError(
+            f"mesh: axis {axis!r} of size {size} must divide the {config.num_heads} KV heads "
+            f"(mesh axes {dict(mesh.shape)})"
+        )
+
+    def on_heads(a, head_axis):
+        if a.ndim <= head_axis:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, P(*([None] * head_axis), axis))
+
+    out = {}
+    for name in CACHE_FIELDS:
+        value = getattr(cache, name)
+        if isinstance(value, PackedKV):  # fields [*batch, T', H, D'] (or [*batch] scalars)
+            lead = len(value.batch_shape)
+            out[name] = jax.tree.map(lambda a, lead=lead: on_heads(a, lead + 1), value)
+        elif name.endswith(("_stage", "_sink")):
+            out[name] = on_heads(value, 3)
+        elif value is not None:
+            out[name] = NamedSharding(mesh, P())
+        else:
+            out[name] = None
+    return dataclasses.replace(cache, **out)
 
 
 def sequence_rows(config, decoded, stage, sink, stored, length):

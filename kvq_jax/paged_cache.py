@@ -43,7 +43,8 @@ from kvq_jax._numerics import subtract_in_dtype
 from kvq_jax.cache_state import PagedKVCache, check_cache, init_cache
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
-from kvq_jax.core.offload import HostSequence
+from kvq_jax.core.containers import rest_dtype
+from kvq_jax.core.offload import HostSequence, expected_shapes
 from kvq_jax.kernels.page_pack import api as page_pack
 from kvq_jax.kernels.page_reconstruct import api as page_reconstruct
 from kvq_jax.kernels.page_reconstruct.api import decode_pages
@@ -79,16 +80,16 @@ def check_append(
 
 
 def _set(a, index, values, **kwargs):
-    """`a.at[index].set(values, **kwargs)`; a float8 array is scattered on its uint8 bits.
+    """`a.at[index].set(values, **kwargs)`; 1-byte float values go into a uint8 array (a
+    stored plane, `rest_dtype`) as their bits. Same bytes.
 
-    XLA:CPU widens a scatter into a float8 (or bfloat16) operand to float32 and back, a pass
-    over the whole array (measured, 8 pages into 8192: 227 ms vs 0.02 ms for float16 or
-    uint8); on the uint8 bits the pass left is the bitcast's, ~25x cheaper. Same bytes."""
-    if a.dtype.itemsize != 1 or not jnp.issubdtype(a.dtype, jnp.floating):
-        return a.at[index].set(values, **kwargs)
-    values = lax.bitcast_convert_type(jnp.asarray(values, a.dtype), jnp.uint8)
-    out = lax.bitcast_convert_type(a, jnp.uint8).at[index].set(values, **kwargs)
-    return lax.bitcast_convert_type(out, a.dtype)
+    XLA:CPU widens a scatter into a float8 array to float32 and back, a pass over the whole
+    array (measured, 8 pages into 8192: 227 ms vs 0.02 ms for uint8), which is why planes
+    store those fields as uint8 (a bitcast around the scatter is materialized too)."""
+    values = jnp.asarray(values)
+    if a.dtype != values.dtype and a.dtype == jnp.uint8 and values.dtype.itemsize == 1:
+        values = lax.bitcast_convert_type(values, jnp.uint8)
+    return a.at[index].set(values, **kwargs)
 
 
 # -- append -----------------------------------------------------------------------------------
@@ -415,18 +416,30 @@ def swap_out(cache: PagedKVCache, *, slot, pages) -> HostSequence:
         arrays.update((n, np.array(a[:, slot])) for n, a in cache.slot_arrays())
     else:  # gather on the device, then move only the sequence's bytes
         arrays = jax.device_get(_take_sequence(cache, jnp.int32(slot), jnp.asarray(pages)))
-    return HostSequence(config=config, arrays={k: np.asarray(a) for k, a in arrays.items()})
+    want = expected_shapes(config, len(pages))  # stored uint8 bits -> the format's dtypes
+    return HostSequence(
+        config=config, arrays={k: np.asarray(a).view(want[k][1]) for k, a in arrays.items()}
+    )
 
 
 def _on_cpu(cache) -> bool:
     return all(d.platform == "cpu" for a in jax.tree.leaves(cache) for d in a.devices())
 
 
+def _put_pages(a, axis: int, pages, values):
+    """a[pages] = values along page axis 0 ([P, ...]) or 1 ([L - 1, P, ...] delta planes, one
+    plane at a time: a scatter at (:, pages) transposes the values and runs ~5x slower on
+    XLA:CPU). `pages`: validated, distinct, in range."""
+    put = functools.partial(_set, mode="promise_in_bounds", unique_indices=True)
+    if axis == 0:
+        return put(a, pages, values)
+    for r in range(a.shape[0]):
+        a = put(a, (r, pages), values[r])
+    return a
+
+
 def _put_sequence(cache, arrays, slot, pages):
-    new = {
-        name: _set(a, (pages,) if axis == 0 else (slice(None), pages), arrays[name])
-        for name, axis, a in cache.page_arrays()
-    }
+    new = {name: _put_pages(a, axis, pages, arrays[name]) for name, axis, a in cache.page_arrays()}
     new.update(
         (name, _set(a, (slice(None), slot), arrays[name])) for name, a in cache.slot_arrays()
     )
@@ -448,4 +461,5 @@ def swap_in(cache: PagedKVCache, sequence: HostSequence, *, slot, pages) -> Page
     a sequence of another configuration or page count. In place (`cache` is consumed)."""
     config = check_cache(cache)
     pages = checks.check_swap_in(config, sequence, slot, pages)
-    return _PUT_SEQUENCE(cache, sequence.arrays, jnp.int32(slot), jnp.asarray(pages))
+    arrays = {k: a.view(rest_dtype(a.dtype)) for k, a in sequence.arrays.items()}
+    return _PUT_SEQUENCE(cache, arrays, jnp.int32(slot), jnp.asarray(pages))

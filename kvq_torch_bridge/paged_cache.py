@@ -25,8 +25,9 @@ import torch
 
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
-from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase
-from kvq_jax.core.offload import HostSequence
+from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, rest_dtype
+from kvq_jax.core.offload import HostSequence, expected_shapes
+from kvq_jax.core.registry import layout
 from kvq_torch_bridge._dtypes import BITS, from_numpy, meta, to_numpy, torch_dtype
 from kvq_torch_bridge._numerics import add_in_dtype, subtract_in_dtype
 from kvq_torch_bridge.packed import PackedKV, register_pytree
@@ -66,7 +67,7 @@ def _empty_packed(config: PagedCacheConfig, spec: dict, batch: tuple, device) ->
     codec = get_codec(spec["format"])
     shapes = codec.array_shapes(config.page_shape, spec["axis"], spec["group_size"])
     arrays = {
-        name: torch.zeros((*batch, *shape), dtype=torch_dtype(dt), device=device)
+        name: torch.zeros((*batch, *shape), dtype=torch_dtype(rest_dtype(dt)), device=device)
         for name, (shape, dt) in shapes.items()
     }
     return PackedKV(**arrays, **spec, shape=config.page_shape, dtype=config.dtype)
@@ -182,7 +183,7 @@ def _put_(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     # The integer view of the same bytes: index_copy_ / where exist for every width (not for
     # float8 on CPU), and a view writes into dst's own storage.
     bits = BITS[dst.element_size()] if dst.dtype != torch.bool else torch.bool
-    dst, values = dst.view(bits), values.to(dst.dtype).view(bits)
+    dst, values = dst.view(bits), _bits(values, dst.dtype, bits)
     index = _normalize(index.reshape(-1), dst.shape[0])
     keep = (index >= 0) & (index < dst.shape[0])
     first = torch.argmax(keep.to(torch.uint8))
@@ -192,6 +193,22 @@ def _put_(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     mask = keep.reshape(-1, *([1] * (values.ndim - 1)))
     index = torch.where(keep, index, spare_index)
     dst.index_copy_(0, index, torch.where(mask, values, spare_value))
+
+
+def _bits(values: torch.Tensor, dtype: torch.dtype, bits: torch.dtype) -> torch.Tensor:
+    """`values` in `dtype` as `bits`; 1-byte floats going into a uint8 plane (`rest_dtype`) as
+    their own bits."""
+    if dtype == torch.uint8 and values.is_floating_point() and values.element_size() == 1:
+        return values.view(bits)
+    return values.to(dtype).view(bits)
+
+
+def codec_view(packed: PackedKV) -> PackedKV:
+    """A stored plane (or pages taken from one) with its format's dtypes (stored as
+    `kvq_jax.core.containers.rest_dtype` says; `kvq_jax.cache_state.codec_view`)."""
+    shapes = layout(packed.format).array_shapes(packed.shape, packed.axis, packed.group_size)
+    fields = {n: a.view(torch_dtype(shapes[n][1])) for n, a in packed.arrays.items()}
+    return dataclasses.replace(packed, **fields)
 
 
 def _fill_get(a: torch.Tensor, ids: torch.Tensor, fill=0) -> torch.Tensor:
@@ -218,10 +235,11 @@ def decode_pages(cache: PagedKVCache, kind: str, pages, *, loop: int) -> torch.T
     loop = checks.check_loop_index(loop, config.num_loops)
     base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
     pages = _index_tensor(pages, cache.device).to(torch.int64)
-    recon = unpack_paged(_map_packed(base, lambda a: a[pages]))
+    recon = unpack_paged(codec_view(_map_packed(base, lambda a: a[pages])))
     depth = None if cache.depth is None else cache.depth[pages][:, :, None, None]
     for r in range(loop):
-        step = add_in_dtype(recon, unpack_paged(_map_packed(delta, lambda a, r=r: a[r][pages])))
+        payload = codec_view(_map_packed(delta, lambda a, r=r: a[r][pages]))
+        step = add_in_dtype(recon, unpack_paged(payload))
         recon = step if depth is None else torch.where(depth >= r + 1, step, recon)
     return recon
 
@@ -461,7 +479,9 @@ def swap_out(cache: PagedKVCache, *, slot: int, pages) -> HostSequence:
     index = torch.from_numpy(pages.astype(np.int64)).to(cache.device)
     arrays = {name: a.index_select(axis, index) for name, axis, a in cache.page_arrays()}
     arrays.update((name, a[:, slot]) for name, a in cache.slot_arrays())
-    return HostSequence(config=config, arrays={k: to_numpy(a) for k, a in arrays.items()})
+    want = expected_shapes(config, len(pages))  # stored uint8 bits -> the format's dtypes
+    arrays = {k: to_numpy(a).view(want[k][1]) for k, a in arrays.items()}
+    return HostSequence(config=config, arrays=arrays)
 
 
 @torch.no_grad()
@@ -473,7 +493,8 @@ def swap_in(cache: PagedKVCache, sequence: HostSequence, *, slot: int, pages) ->
     device = cache.device
     index = torch.from_numpy(pages.astype(np.int64)).to(device)
     for name, axis, a in cache.page_arrays():
-        _index_copy_(a, axis, index, from_numpy(sequence.arrays[name], device))
+        values = sequence.arrays[name]
+        _index_copy_(a, axis, index, from_numpy(values.view(rest_dtype(values.dtype)), device))
     for name, a in cache.slot_arrays():
         a[:, slot] = from_numpy(sequence.arrays[name], device)
     return cache
@@ -482,7 +503,7 @@ def swap_in(cache: PagedKVCache, sequence: HostSequence, *, slot: int, pages) ->
 def _index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
     """dst.index_copy_ through the integer view of the same bytes (float8 has none on CPU)."""
     bits = BITS[dst.element_size()] if dst.dtype != torch.bool else torch.bool
-    dst.view(bits).index_copy_(dim, index, values.to(dst.dtype).view(bits))
+    dst.view(bits).index_copy_(dim, index, _bits(values, dst.dtype, bits))
 
 
 @torch.no_grad()

@@ -8,13 +8,15 @@ import jax
 import numpy as np
 
 from kvq_jax.api import unpack_kv
+from kvq_jax.cache_state import codec_view, planes
 from kvq_jax.residual import KVResidual, decode_residual
 
 
 def reference_pages(cache, kind: str, loop: int, pages) -> np.ndarray:
     """Loop `loop` of physical `pages` [N]: `unpack_kv` of each page's base, then
     `decode_residual` of each of its deltas up to `loop`; [N, page_size, H, D]."""
-    base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
+    base, delta = planes(cache, kind)
+    base, delta = codec_view(base), delta if delta is None else codec_view(delta)
     out = []
     for page in np.asarray(pages).tolist():
         recon = unpack_kv(jax.tree.map(lambda a, p=page: a[p], base))

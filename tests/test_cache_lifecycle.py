@@ -8,6 +8,7 @@ bytes, or the state before a refused call.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -20,6 +21,7 @@ from helpers import assert_same_bytes, numpy_to_torch, torch_to_numpy
 
 from kvq_jax import paged_cache as jpc
 from kvq_jax.api import pack_kv, unpack_kv
+from kvq_jax.cache_state import codec_view
 from kvq_jax.core.allocator import PageAllocator
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.offload import HostSequence, load_sequence, save_sequence
@@ -106,6 +108,44 @@ def test_jax_append_updates_every_leaf_in_place(pool):
     kept = jpc.append(out, *args[:2], block_tables=args[2], seq_ids=args[3], loop=0, donate=False)
     assert not any(a.is_deleted() for a in jax.tree.leaves(out))
     assert int(kept.seq_lens[0, 0]) == 2
+
+
+def _pool_wide_ops(cache, loop: int) -> list[str]:
+    """Instructions of the compiled, donated append whose result spans the page pool and that
+    are neither a parameter, the output tuple nor an in-place update (scatter / dynamic
+    update slice): each one is a pass over the whole pool."""
+    config = cache.config
+    k, tables, ids = _one_token(config)
+    args = (jnp.asarray(k), jnp.asarray(k), jnp.asarray(tables), jnp.asarray(ids), None)
+    text = jpc._APPEND[True].lower(cache, *args, loop=loop, backend="xla").compile().as_text()
+    out = []
+    for line in text[text.index("\nENTRY") :].splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = \(?\w+\[([\d,]*)\]\S* (\w[\w-]*)\(", line)
+        if not m or str(config.num_pages) not in m.group(2).split(","):
+            continue
+        name, op = m.group(1), m.group(3)
+        in_place = op == "fusion" and ("scatter" in name or "dynamic-update-slice" in name)
+        if op not in ("parameter", "tuple") and not in_place:
+            out.append(f"{op} {name} [{m.group(2)}]")
+    return out
+
+
+@pytest.mark.parametrize("loop", [0, 1])
+def test_jax_append_touches_the_pool_only_in_place(loop):
+    """E4M3 fields (NVFP4 block scales, FP8 codes) included: the pool is written by in-place
+    scatters only (a float8 plane would be widened, copied and narrowed on XLA:CPU)."""
+    cache = jpc.init_cache(make_config(num_pages=509))
+    assert _pool_wide_ops(cache, loop) == []
+
+
+@pytest.mark.xfail(strict=True, reason="a planted defect must be caught")
+def test_pool_check_catches_float8_planes():
+    """Planted defect: planes holding E4M3 fields as float8 (not as uint8 bits)."""
+    cache = jpc.init_cache(make_config(num_pages=509))
+    planted = dataclasses.replace(
+        cache, v_base=codec_view(cache.v_base), k_delta=codec_view(cache.k_delta)
+    )
+    assert _pool_wide_ops(planted, 0) + _pool_wide_ops(planted, 1) == []
 
 
 def test_init_cache_leaves_are_distinct_buffers():

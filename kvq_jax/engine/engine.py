@@ -35,12 +35,14 @@ plain paged store (`RawPagedStore`: [loops, pages, page_size, H, D] per layer, s
 tables) in the model's compute dtype, so a bfloat16 model's K/V are stored exactly (a float32
 model's in float32).
 
-Ouro: the layer stack runs `num_loops` times per token (`loops=` overrides the checkpoint's
-count), the final norm after every loop; each loop's logits and exit gate are computed for
-the sampled position, and the token's logits are those of its exit loop (`ouro.exit_loops`
-with the config's `early_exit_threshold`; 1.0 = the last loop). Every loop still runs for
-every token (as `ouro.forward` does): the exit selects logits, it does not save compute (the
-cache's adaptive-exit mode is not used).
+Looped models: the layer stack runs `num_loops` times per token (`loops=` overrides the
+checkpoint's count), the final norm after every loop. Ouro: each loop's logits and exit gate
+are computed for the sampled position, and the token's logits are those of its exit loop
+(`ouro.exit_loops` with the config's `early_exit_threshold`; 1.0 = the last loop). Every loop
+still runs for every token (as `ouro.forward` does): the exit selects logits, it does not save
+compute (the cache's adaptive-exit mode is not used). Llama with loops > 1 is an emulation
+(`Engine.emulated`; the model was not trained to loop): the last loop's logits, the
+semantics of the Torch runner `kvq_torch_bridge.model_eval.looped.run_logits`.
 
 Sampling: greedy (temperature 0), or temperature with optional top-k, with an explicit PRNG
 key per request folded with the token's position (a sequence's samples do not depend on which
@@ -65,8 +67,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from kvq_jax import paged_attention, paged_cache
+from kvq_jax import cache_state, paged_attention, paged_cache
 from kvq_jax.attention import attend
 from kvq_jax.core.allocator import PageAllocator
 from kvq_jax.core.cache_config import PagedCacheConfig
@@ -309,7 +313,8 @@ class Request:
     prompt: token ids; tokens: generated ids (the stop token included); finish_reason: None
     while running, "stop" (a stop id) or "length" (max_new_tokens); exit_loops: the loop each
     generated token's logits came from; logits: float32 [V] per generated token when
-    keep_logits (the distribution it was sampled from).
+    keep_logits (the distribution it was sampled from); forced: teacher forcing, the ids
+    that become the generated tokens whatever the logits (None: sampled).
     """
 
     prompt: list[int]
@@ -319,6 +324,7 @@ class Request:
     key: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(2, np.uint32))
     stop_ids: frozenset = frozenset()
     keep_logits: bool = False
+    forced: tuple[int, ...] | None = None
     slot: int | None = None
     position: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -342,14 +348,39 @@ def _key_data(key, seed) -> np.ndarray:
     return key
 
 
+def _shard(caches, params, mesh, axis: str):
+    """Caches split over their KV heads along mesh axis `axis`, parameters replicated."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    placed = []
+    for cache in caches:
+        if isinstance(cache, RawPagedStore):  # [loops, pages, page_size, H, D]
+            size = mesh.shape.get(axis)
+            if size is None or cache.k.shape[3] % size:
+                raise ValueError(
+                    f"mesh: axis {axis!r} of size {size} must divide the {cache.k.shape[3]} "
+                    f"KV heads (mesh axes {dict(mesh.shape)})"
+                )
+            spec = NamedSharding(mesh, P(None, None, None, axis))
+            placed.append(jax.device_put(cache, RawPagedStore(spec, spec)))
+        else:
+            placed.append(jax.device_put(cache, cache_state.head_shardings(cache, mesh, axis)))
+    return tuple(placed), jax.device_put(params, NamedSharding(mesh, P()))
+
+
 class Engine:
     """Generation with per-layer paged KV caches under a storage policy.
 
     model: a `kvq_jax.models.Model`; policy: a name of `kvq_jax.core.policies.POLICIES` (or a
     Policy); num_pages, page_size, max_seqs, max_pages_per_seq: the pool (shared by every
     layer and loop: one physical page of a sequence holds its page_size tokens in every
-    layer's cache); loops: Ouro's loop count (None: the checkpoint's; Llama: 1 only);
-    prefill_chunk: prompt tokens per prefill call; backend: the cache ops' backend.
+    layer's cache); loops: the loop count (None: the checkpoint's; on Llama, loops > 1 is
+    the 4-loop *emulation* of `kvq report --model ... --loops N`: the final-normed hidden
+    state is fed back through the layer stack, one cache plane per loop);
+    prefill_chunk: prompt tokens per prefill call; backend: the cache ops' backend; mesh (a
+    `jax.sharding.Mesh`, or None) and mesh_axis: split every cache over its KV heads along
+    that mesh axis (`cache_state.head_shardings`; the parameters are replicated), the same
+    tokens as unsharded.
 
     See the module doc for what attention reads, the policies and the batching rules.
     Every error (ValueError) is raised before anything changes, so the engine stays usable.
@@ -367,12 +398,16 @@ class Engine:
         loops: int | None = None,
         prefill_chunk: int = 256,
         backend: str = "auto",
+        mesh=None,
+        mesh_axis: str = "heads",
     ):
         config: ModelConfig = model.config
         if loops is not None:
-            if config.arch != "ouro" and loops != 1:
-                raise ValueError(f"loops: {config.arch} runs its layer stack once, got {loops}")
-            config = dataclasses.replace(config, num_loops=int(loops))
+            if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+                raise ValueError(f"loops must be an int >= 1, got {loops!r}")
+            config = dataclasses.replace(config, num_loops=loops)
+        #: loops imposed on a model that was not trained to loop (Llama with loops > 1).
+        self.emulated = config.arch != "ouro" and config.num_loops > 1
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         self.policy = resolve_policy(policy)
@@ -398,6 +433,8 @@ class Engine:
                 )
                 for _ in range(config.num_layers)
             )
+        if mesh is not None:
+            self.caches, self.params = _shard(self.caches, self.params, mesh, mesh_axis)
         eos = config.eos_token_id
         self.default_stop_ids = frozenset(
             () if eos is None else (eos if isinstance(eos, tuple) else (eos,))
@@ -450,9 +487,15 @@ class Engine:
         key=None,
         stop_ids=None,
         keep_logits: bool = False,
+        forced_tokens=None,
     ) -> Request:
         """A validated `Request` (ValueError: empty prompt, token ids outside the vocabulary,
-        prompt + max_new_tokens longer than a sequence or the whole pool)."""
+        prompt + max_new_tokens longer than a sequence or the whole pool).
+
+        forced_tokens: teacher forcing: max_new_tokens ids that are fed (and recorded) in turn
+        instead of sampled ones, each after the logits that predict it are computed (with
+        keep_logits: logits[i] is the model's distribution for forced_tokens[i]); a forced
+        request stops at its length only."""
         prompt = [int(t) for t in np.asarray(prompt).reshape(-1)]
         if not prompt:
             raise ValueError("prompt is empty")
@@ -477,6 +520,19 @@ class Engine:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         stops = self.default_stop_ids if stop_ids is None else frozenset(int(s) for s in stop_ids)
+        forced = None
+        if forced_tokens is not None:
+            forced = tuple(int(t) for t in np.asarray(forced_tokens).reshape(-1))
+            if len(forced) != max_new_tokens:
+                raise ValueError(
+                    f"forced_tokens: {len(forced)} ids for max_new_tokens={max_new_tokens}"
+                )
+            bad = [t for t in forced if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"forced_tokens: ids {bad[:5]} outside [0, {self.config.vocab_size})"
+                )
+            stops = frozenset()
         return Request(
             prompt=prompt,
             max_new_tokens=max_new_tokens,
@@ -485,6 +541,7 @@ class Engine:
             key=_key_data(key, seed),
             stop_ids=stops,
             keep_logits=keep_logits,
+            forced=forced,
         )
 
     def add_request(self, prompt, **kwargs) -> Request:
@@ -629,7 +686,7 @@ class Engine:
         self._record(request, token, int(exit_loop), np.asarray(logits))
 
     def _record(self, request: Request, token, exit_loop, logits) -> None:
-        token = int(token)
+        token = int(token) if request.forced is None else request.forced[len(request.tokens)]
         request.tokens.append(token)
         request.exit_loops.append(int(exit_loop))
         if request.keep_logits:

@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+import numpy as np
+
 DESCRIPTION = (
     "Generate with kvq_jax.engine (per-layer quantized paged KV caches, jitted prefill and "
     "decode) under a storage policy; print the text, prefill/decode tokens/s and the KV bytes "
@@ -28,7 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     text.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
     text.add_argument("--prompt-ids", help="prompt token ids, comma separated")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--loops", type=int, default=None, help="Ouro loops (default: config)")
+    parser.add_argument(
+        "--loops",
+        type=int,
+        default=None,
+        help="loops (default: the checkpoint's; on a plain model, > 1 is an emulation)",
+    )
     parser.add_argument("--compare", default=None, help="also run this policy (e.g. bf16)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -67,7 +74,7 @@ def _decode_text(model, tokens) -> str:
     return model.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def _run_policy(model, policy, prompt, args) -> dict:
+def _run_policy(model, policy, prompt, args, *, forced=None, keep_logits=False) -> dict:
     from kvq_jax.engine import Engine
 
     ps = args.page_size
@@ -79,7 +86,9 @@ def _run_policy(model, policy, prompt, args) -> dict:
         backend=args.backend,
     )  # fmt: skip
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed)  # fmt: skip
+                   top_k=args.top_k, seed=args.seed, keep_logits=keep_logits)  # fmt: skip
+    if forced is not None:
+        options.update(max_new_tokens=len(forced), forced_tokens=forced)
     engine.make_request(prompt, **options)  # validate before any compilation
     if not args.no_warmup:
         engine.add_request(prompt, **options)
@@ -106,7 +115,27 @@ def _run_policy(model, policy, prompt, args) -> dict:
         "ratio_to_bf16": kv / bf16,
         "raw_rows_per_sequence": engine.raw_rows_per_sequence(),
         "loops": engine.config.num_loops,
+        "logits": np.stack(request.logits) if keep_logits else None,
     }
+
+
+def compare(run: dict, base: dict, forced: dict) -> dict:
+    """`run` against the `base` policy: greedy token agreement (over the shorter output) and
+    the teacher-forced mean KL(base || run) per token (nats), where `forced` is `run`'s policy
+    fed `base`'s tokens (both with logits)."""
+    n = min(len(run["tokens"]), len(base["tokens"]))
+    agree = sum(a == b for a, b in zip(run["tokens"][:n], base["tokens"][:n], strict=True))
+    p = _log_softmax(base["logits"])
+    q = _log_softmax(forced["logits"])
+    kl = float(np.mean(np.sum(np.exp(p) * (p - q), axis=-1)))
+    return {"against": base["policy"], "token_agreement": agree / max(n, 1),
+            "teacher_forced_kl": kl, "tokens_compared": n}  # fmt: skip
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def _print_run(run: dict) -> None:
@@ -123,6 +152,13 @@ def _print_run(run: dict) -> None:
         f"{run['raw_rows_per_sequence']} raw rows per sequence, layer and loop (staging page + "
         "sink)"
     )
+    c = run.get("compare")
+    if c:
+        print(
+            f"  vs {c['against']}: greedy tokens agree {c['token_agreement']:.1%} of "
+            f"{c['tokens_compared']}; teacher-forced KL on its continuation "
+            f"{c['teacher_forced_kl']:.3g} nats/token"
+        )
 
 
 def run(args) -> int:
@@ -144,21 +180,31 @@ def run(args) -> int:
         except (FileNotFoundError, OSError) as e:
             raise _Error(str(e)) from None
         prompt = _prompt_ids(args, model)
-        runs = [_run_policy(model, p, prompt, args) for p in policies]
+        keep = args.compare is not None  # logits of the base run for the KL
+        runs = [_run_policy(model, p, prompt, args) for p in policies[:1]]
+        if keep:
+            base = _run_policy(model, policies[1], prompt, args, keep_logits=True)
+            forced = _run_policy(model, policies[0], prompt, args, forced=base["tokens"],
+                                 keep_logits=True)  # fmt: skip
+            runs[0]["compare"] = compare(runs[0], base, forced)
+            runs.append(base)
+        for r in runs:
+            r.pop("logits")
     except (_Error, ValueError) as e:
         print(f"kvq generate: error: {e}", file=sys.stderr)
         return 2
     cfg = model.config
     loops = runs[0]["loops"]
+    emulated = cfg.arch != "ouro" and loops > 1
     print(
-        f"kvq generate: {args.model} ({cfg.arch}, {cfg.num_layers} layers x {loops} loop(s), "
-        f"{args.dtype}), {len(prompt)} prompt tokens"
+        f"kvq generate: {args.model} ({cfg.arch}, {cfg.num_layers} layers x {loops} loop(s)"
+        f"{' (emulated)' if emulated else ''}, {args.dtype}), {len(prompt)} prompt tokens"
     )
     for r in runs:
         _print_run(r)
     if args.json:
         report = {"model": args.model, "arch": cfg.arch, "dtype": args.dtype, "loops": loops,
-                  "prompt_tokens": len(prompt), "runs": runs}  # fmt: skip
+                  "emulated": emulated, "prompt_tokens": len(prompt), "runs": runs}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0

@@ -18,8 +18,13 @@ from kvq_jax.packed import PackedKV
 class FP8E4M3Codec(FP8E4M3Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         x = widen(values)
-        finite = jnp.all(jnp.isfinite(x), axis=-1)
-        s = flush_subnormal(divide(jnp.max(jnp.abs(x), axis=-1), E4M3_MAX))
+        finite = jnp.all(jnp.isfinite(values), axis=-1)
+        # max |x| = max(max x, -min x) on the input dtype (exact; flushed after: FTZ is
+        # monotone): XLA:CPU reduces the input buffer instead of a float32 copy of |x|.
+        mn = flush_subnormal(jnp.min(values, axis=-1).astype(jnp.float32))
+        mx = flush_subnormal(jnp.max(values, axis=-1).astype(jnp.float32))
+        amax = jnp.abs(jnp.maximum(mx, -mn))
+        s = flush_subnormal(divide(amax, E4M3_MAX, fuse=False))
         ok = (finite & (s > 0))[..., None]
         q = jnp.clip(divide(x, jnp.where(ok, s[..., None], 1.0)), -E4M3_MAX, E4M3_MAX)
         codes = jnp.where(ok, q, 0.0).astype(jnp.float8_e4m3fn)

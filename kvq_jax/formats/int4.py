@@ -16,26 +16,35 @@ from kvq_jax.core.layouts import Int4Layout
 from kvq_jax.packed import PackedKV
 
 
-def quantize_groups(xg: jnp.ndarray, valid, member_axis: int):
-    """Grouped float32 values -> (codes uint8 like xg, minimum f16, scale f16 per group).
+def group_range(layout: _grouping.GroupLayout, values: jnp.ndarray):
+    """Raw [T, H, D] values -> (minimum, maximum, all finite) per group, float32 / bool,
+    keepdims along the member axis of the grouped view.
 
-    `valid` is a boolean mask (or None) of the real members; padding never enters a min/max.
+    min and max run on the input dtype (exact: they never round) and are flushed afterwards
+    (FTZ is monotone, so it commutes with min and max): XLA:CPU then reduces the input
+    buffer itself instead of a float32 copy. Their NaN handling does not matter: "all finite"
+    is its own reduction (XLA:CPU min/max reductions do not reliably propagate NaN).
     """
-    lo = xg if valid is None else jnp.where(valid, xg, jnp.inf)
-    hi = xg if valid is None else jnp.where(valid, xg, -jnp.inf)
-    mn = jnp.min(lo, axis=member_axis, keepdims=True)
-    mx = jnp.max(hi, axis=member_axis, keepdims=True)
-    # Tested element-wise: XLA:CPU min/max reductions do not reliably propagate NaN.
-    finite = jnp.all(jnp.isfinite(xg), axis=member_axis, keepdims=True)
+    raw, m = layout.split_edge(values), layout.member_axis
+    mn = flush_subnormal(jnp.min(raw, axis=m, keepdims=True).astype(jnp.float32))
+    mx = flush_subnormal(jnp.max(raw, axis=m, keepdims=True).astype(jnp.float32))
+    return mn, mx, jnp.all(jnp.isfinite(raw), axis=m, keepdims=True)
+
+
+def quantize_groups(xg: jnp.ndarray, mn, mx, finite):
+    """Grouped float32 values and their group range (`group_range`) -> (codes uint8 like xg,
+    minimum f16, scale f16 per group, keepdims)."""
     mn = jnp.where(mn == 0, jnp.float32(0.0), mn)  # a zero minimum is stored as +0.0
     span = flush_subnormal(mx - mn)
-    scale = jnp.where(span > 0, flush_subnormal(divide(span, INT4_LEVELS)), jnp.float32(1.0))
+    scale = jnp.where(
+        span > 0, flush_subnormal(divide(span, INT4_LEVELS, fuse=False)), jnp.float32(1.0)
+    )
     q = round_half_even(divide(flush_subnormal(xg - mn), scale))
     codes = jnp.where(q >= 0, jnp.minimum(q, 15.0), 0.0)  # NaN -> 0
     codes = jnp.where(finite, codes, 0.0).astype(jnp.uint8)
     minimum = jnp.where(finite, mn, jnp.nan).astype(jnp.float16)
     scale = jnp.where(finite, scale, jnp.nan).astype(jnp.float16)
-    return codes, jnp.squeeze(minimum, member_axis), jnp.squeeze(scale, member_axis)
+    return codes, minimum, scale
 
 
 def dequantize_groups(codes_g, minimum, scale, member_axis: int) -> jnp.ndarray:
@@ -48,12 +57,13 @@ def dequantize_groups(codes_g, minimum, scale, member_axis: int) -> jnp.ndarray:
 class Int4Codec(Int4Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
+        mn, mx, finite = group_range(layout, values)
         xg = layout.split(widen(values), 0.0)
-        valid = layout.split(jnp.ones(values.shape, bool), False) if layout.padding else None
-        codes_g, minimum, scale = quantize_groups(xg, valid, layout.member_axis)
+        codes_g, minimum, scale = quantize_groups(xg, mn, mx, finite)
         codes = _nibbles.pack_nibbles(layout.merge(codes_g))
+        m = layout.member_axis
         return self._packed(
-            {"codes": codes, "minimum": minimum, "scale": scale},
+            {"codes": codes, "minimum": minimum.squeeze(m), "scale": scale.squeeze(m)},
             kind=kind,
             axis=axis,
             group_size=group_size,

@@ -4,6 +4,7 @@ global encode scale per packed tensor. docs/FORMAT.md section 3.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kvq_jax import _grouping, _nibbles
@@ -29,38 +30,67 @@ from kvq_jax.packed import PackedKV
 GROUP_SIZE = NVFP4_GROUP_SIZE
 
 
-def global_scale(x: jnp.ndarray) -> jnp.ndarray:
-    """float32 tensor -> float32 [] encode scale g (all-zero and tiny-tensor rules applied)."""
-    amax = jnp.max(jnp.abs(x), initial=jnp.float32(0.0))
-    g = jnp.where(amax == 0, jnp.float32(1.0), divide(NVFP4_GLOBAL_NUMERATOR, amax))
+def block_amax(layout: _grouping.GroupLayout, values: jnp.ndarray) -> jnp.ndarray:
+    """Raw [T, H, D] values -> float32 max |x| per block (keepdims, grouped view), flushed.
+
+    max |x| = max(max x, -min x), and min/max run on the input dtype (exact), so XLA:CPU
+    reduces the input buffer itself instead of a float32 copy of |x|. A partial block pads
+    with 0, which never raises a max |x|. NaN handling does not matter (see `all_finite`).
+    """
+    raw, m = layout.split(values, 0), layout.member_axis
+    mn = flush_subnormal(jnp.min(raw, axis=m, keepdims=True).astype(jnp.float32))
+    mx = flush_subnormal(jnp.max(raw, axis=m, keepdims=True).astype(jnp.float32))
+    return jnp.abs(jnp.maximum(mx, -mn))  # abs: an all-zero block gives +0, never -0
+
+
+def all_finite(values: jnp.ndarray) -> jnp.ndarray:
+    """bool []: no inf or NaN in `values`. sum(x * 0) is NaN exactly when some x is inf or
+    NaN (finite x * 0 is +-0, and a sum of zeros never overflows); one streaming reduction."""
+    return jnp.isfinite(jnp.sum(values.astype(jnp.float32) * jnp.float32(0.0)))
+
+
+def global_scale(amax: jnp.ndarray) -> jnp.ndarray:
+    """float32 [] tensor max |x| -> float32 [] encode scale g (all-zero and tiny rules)."""
+    g = jnp.where(amax == 0, jnp.float32(1.0), divide(NVFP4_GLOBAL_NUMERATOR, amax, fuse=False))
     return jnp.where(jnp.isinf(g), F32_MAX, g)
 
 
-def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, member_axis: int):
-    """Grouped float32 values (padding = 0) and g -> (4-bit codes like xg, e4m3 block scales)."""
-    vmax = jnp.max(jnp.abs(xg), axis=member_axis, keepdims=True)
+def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, vmax: jnp.ndarray):
+    """Grouped float32 values, g and the blocks' max |x| (keepdims) -> (4-bit codes like xg,
+    e4m3 block scales keepdims)."""
     s = flush_subnormal(g * flush_subnormal(vmax * NVFP4_ONE_SIXTH))
     s8 = jnp.minimum(s, E4M3_MAX).astype(jnp.float8_e4m3fn)
     sf = s8.astype(jnp.float32)
-    v = flush_subnormal(sf * flush_subnormal(divide(1.0, g)))
-    r = jnp.where(v == 0, jnp.float32(0.0), flush_subnormal(divide(1.0, v)))
-    y = flush_subnormal(xg * r)
-    # Tiny-scale fallback: the reciprocal path underflowed although the block scale did not.
+    v = flush_subnormal(sf * flush_subnormal(divide(1.0, g, fuse=False)))
+    r = jnp.where(v == 0, jnp.float32(0.0), flush_subnormal(divide(1.0, v, fuse=False)))
+    # Tiny-scale fallback: the reciprocal path underflowed although the block scale did not
+    # (only for tensors near float32's range). It needs a full-size exact division, so it is
+    # traced only into the branch that runs when some block needs it (under vmap the cond
+    # becomes a select and both branches run).
     fallback = (v == 0) & (sf > 0)
-    y_direct = flush_subnormal(divide(flush_subnormal(xg * g), jnp.where(fallback, sf, 1.0)))
-    y = jnp.clip(jnp.where(fallback, y_direct, y), -E2M1_MAX, E2M1_MAX)
-    codes = e2m1_encode(y, jnp.signbit(xg))
-    return codes, jnp.squeeze(s8, member_axis)
+
+    def encode(with_fallback: bool):
+        y = flush_subnormal(xg * r)
+        if with_fallback:
+            divisor = jnp.where(fallback, sf, 1.0)
+            y_direct = flush_subnormal(divide(flush_subnormal(xg * g), divisor, fuse=False))
+            y = jnp.where(fallback, y_direct, y)
+        y = jnp.clip(y, -E2M1_MAX, E2M1_MAX)
+        return e2m1_encode(y, jnp.signbit(xg))
+
+    codes = jax.lax.cond(jnp.any(fallback), lambda: encode(True), lambda: encode(False))
+    return codes, s8
 
 
 class NVFP4Codec(NVFP4Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
-        x = widen(values)
-        finite = jnp.all(jnp.isfinite(x))
-        g = global_scale(x)
-        codes_g, s8 = quantize_groups(layout.split(x, 0.0), g, layout.member_axis)
+        finite = all_finite(values)
+        vmax = block_amax(layout, values)
+        g = global_scale(jnp.max(vmax, initial=jnp.float32(0.0)))
+        codes_g, s8 = quantize_groups(layout.split(widen(values), 0.0), g, vmax)
         codes = jnp.where(finite, layout.merge(codes_g), jnp.uint8(0))
+        s8 = jnp.squeeze(s8, layout.member_axis)
         arrays = {
             "codes": _nibbles.pack_nibbles(codes),
             "block_scale": jnp.where(finite, s8, jnp.float8_e4m3fn(jnp.nan)),
@@ -80,7 +110,7 @@ class NVFP4Codec(NVFP4Layout, Codec):
         codes = _nibbles.unpack_nibbles(packed.codes, packed.shape[2])
         sf = packed.block_scale.astype(jnp.float32)
         g = flush_subnormal(packed.global_scale)  # a hand-made scale may be subnormal
-        step = flush_subnormal(divide(sf, g))
+        step = flush_subnormal(divide(sf, g, fuse=False))
         out = flush_subnormal(e2m1_decode(layout.split(codes, 0)) * layout.expand(step))
         return layout.merge(out).astype(dtype)
 

@@ -25,7 +25,8 @@ class ModelConfig:
     rope_theta: RoPE base (plain RoPE, HF "rotate_half" layout, no scaling).
     rms_norm_eps: epsilon of every RMSNorm.
     tie_word_embeddings: the LM head is the embedding matrix transposed.
-    num_loops: times the layer stack runs per token (Ouro `total_ut_steps`; 1 for Llama).
+    num_loops: times the layer stack runs per token (Ouro `total_ut_steps`; 1 for Llama,
+      where more is an emulation: the final-normed state fed back).
     early_exit_threshold: Ouro's cumulative exit probability at which a token exits
       (1.0: no early exit, every token uses the last loop's logits).
     bos_token_id / eos_token_id: special ids (eos may be a tuple of ids), None when unknown.
@@ -74,8 +75,6 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.arch == "llama" and self.num_loops != 1:
-            raise ValueError(f"llama runs its layer stack once (num_loops=1), got {self.num_loops}")
         if not 0.0 < self.early_exit_threshold <= 1.0:
             raise ValueError(
                 f"early_exit_threshold must be in (0, 1], got {self.early_exit_threshold}"

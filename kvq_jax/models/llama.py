@@ -98,8 +98,12 @@ def run_layers(params: dict, h: jax.Array, positions, config: ModelConfig, layer
 
 @functools.partial(jax.jit, static_argnames="config")
 def forward(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Reference forward, full causal attention, no cache: tokens [B,T] -> logits [B,T,V] f32."""
+    """Reference forward, full causal attention, no cache: tokens [B,T] -> logits [B,T,V] f32.
+
+    With config.num_loops > 1 (an emulation: Llama was not trained to loop) the layer stack
+    runs that many times, the final norm after each, its output the next loop's input."""
     h = embed(params, tokens)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    h = run_layers(params, h, positions, config, decoder_layer)
-    return logits(params, final_norm(params, h, config), config)
+    for _ in range(config.num_loops):
+        h = final_norm(params, run_layers(params, h, positions, config, decoder_layer), config)
+    return logits(params, h, config)

@@ -26,6 +26,7 @@ from helpers import assert_packed_equal, assert_same_bytes, assert_trees_same_by
 
 from kvq_jax import oracle
 from kvq_jax.api import pack_kv, unpack_kv
+from kvq_jax.cache_state import codec_view
 from kvq_jax.core import registry
 from kvq_jax.kernels import backend as kernel_backend
 from kvq_jax.kernels.page_pack import api, arg_specs, config_support, pallas_triton
@@ -157,8 +158,8 @@ class PagePackBase:
             base_args = config.pack_args(kind, "base")
             delta_args = config.pack_args(kind, "residual")
             stored_base, stored_delta = (
-                getattr(cache, f"{prefix}_base"),
-                getattr(cache, f"{prefix}_delta"),
+                codec_view(getattr(cache, f"{prefix}_base")),
+                codec_view(getattr(cache, f"{prefix}_delta")),
             )
             for seq in range(2):
                 for i in range(2):  # complete logical pages 0, 1

@@ -137,10 +137,10 @@ class TestXLA(PagedAttentionBase):
     backend = "xla"
 
 
-def _drop_last_page(q, cache, block_tables, seq_lens, seq_ids, *, loop):
+def _drop_last_page(q, cache, block_tables, seq_lens, seq_ids, *, loop, **knobs):
     """A planted defect in the XLA path: each sequence attends one page less."""
     lens = jnp.maximum(seq_lens - cache.config.page_size, 1)
-    return _XLA_ATTENTION(q, cache, block_tables, lens, seq_ids, loop=loop)
+    return _XLA_ATTENTION(q, cache, block_tables, lens, seq_ids, loop=loop, **knobs)
 
 
 _XLA_ATTENTION = paged_attention_xla.paged_decode_attention
@@ -155,6 +155,91 @@ def test_reference_catches_a_planted_defect(monkeypatch):
         assert_close(out, ref, "planted defect")
     finally:
         jax.clear_caches()
+
+
+# -- the blockwise XLA path against reconstruct-then-attend -----------------------------------
+
+
+@pytest.mark.parametrize("block_pages", [1, 2, 64])
+@pytest.mark.parametrize("spec", arg_specs.SPECS, ids=SPEC_IDS)
+def test_blockwise_xla_equals_reconstruct_then_attend(spec, block_pages):
+    """The blockwise online softmax (blocks of 1, 2 and more pages than a table holds) equals
+    `paged_decode_attention_reference` (every page reconstructed, then dense attention) on
+    sequences with partial pages in staging, sink rows, a prefix of what is stored and
+    permuted slots, within the tests' tolerance."""
+    inp = inputs(spec)
+    ids = jnp.asarray(np.arange(spec.batch)[::-1].copy(), jnp.int32)
+    lens = np.asarray(inp.seq_lens)[::-1].copy()
+    lens[0] = max(1, lens[0] - 3)  # a prefix of what this slot stores
+    args = (inp.q, inp.cache, inp.block_tables, jnp.asarray(lens, jnp.int32), ids)
+    ref = jax.jit(
+        functools.partial(paged_attention_xla.paged_decode_attention_reference, loop=spec.loop)
+    )(*args)
+    out = jax.jit(
+        functools.partial(
+            paged_attention_xla.paged_decode_attention, loop=spec.loop, block_pages=block_pages
+        )
+    )(*args)
+    assert_close(out, ref, f"blockwise ({block_pages} pages) vs reconstruct-then-attend")
+
+
+def _adaptive_exit_cache():
+    """A 3-loop adaptive-exit cache (page 16, sink 2): two sequences of 45 and 21 tokens whose
+    tokens exit after loop 0, 1 or 2 (their K/V in later loops are the exit loop's)."""
+    from kvq_jax import paged_cache as jpc
+    from kvq_jax.cache_state import PagedCacheConfig
+
+    config = PagedCacheConfig(
+        num_pages=12, page_size=16, num_heads=2, head_dim=32, dtype=jnp.bfloat16, num_loops=3,
+        k_base_format="int4", k_residual_format="nvfp4", v_base_format="nvfp4",
+        v_residual_format="int4", sink=2, max_seqs=2, adaptive_exit=True,
+    )  # fmt: skip
+    cache = jpc.init_cache(config)
+    tables = jnp.asarray(np.random.default_rng(0).permutation(12).reshape(2, 6), jnp.int32)
+    rng = np.random.default_rng(1)
+    for slot, n in ((0, 45), (1, 21)):
+        exit_loop = rng.integers(0, 3, n)
+        kv = rng.normal(size=(3, 2, n, 2, 32)).cumsum(axis=0)  # loop, k/v, token, head, dim
+        ids = jnp.asarray([slot], jnp.int32)
+        for loop in range(3):
+            rows = kv[np.minimum(loop, exit_loop), :, np.arange(n)]  # [n, 2, H, D]
+            k, v = (jnp.asarray(rows[None, :, i], jnp.bfloat16) for i in range(2))
+            exited = None if loop == 0 else jnp.asarray((exit_loop < loop)[None])
+            cache = jpc.append(
+                cache, k, v, block_tables=tables, seq_ids=ids, loop=loop, exited=exited
+            )
+    return cache, tables
+
+
+@pytest.mark.parametrize("block_pages", [1, 3])
+def test_blockwise_xla_honours_adaptive_exits(block_pages):
+    cache, tables = _adaptive_exit_cache()
+    assert cache.depth is not None and int(jnp.min(cache.depth[tables[0, :3]])) < 2
+    q = jax.random.normal(jax.random.key(3), (2, 4, 32), jnp.float32)
+    ids = jnp.arange(2, dtype=jnp.int32)
+    for loop in range(3):
+        for lens in ([45, 21], [20, 5]):
+            args = (q, cache, tables, jnp.asarray(lens, jnp.int32), ids)
+            ref = paged_attention_xla.paged_decode_attention_reference(*args, loop=loop)
+            out = paged_attention_xla.paged_decode_attention(
+                *args, loop=loop, block_pages=block_pages
+            )
+            assert_close(out, ref, f"adaptive exits, loop {loop}, lens {lens}")
+            dense = jax.jit(gather_batch, static_argnames="loop")(
+                cache, tables, jnp.asarray(lens, jnp.int32), loop=loop
+            )
+            assert_close(out, dense_decode_attention(q, *dense, jnp.asarray(lens)), "dense")
+
+
+def test_block_pages_argument():
+    spec = arg_specs.SPECS[0]
+    inp = inputs(spec)
+    with pytest.raises(ValueError, match="block_pages must be >= 1"):
+        api.paged_decode_attention(*inp.args(), loop=0, backend="xla", block_pages=0)
+    with pytest.raises(TypeError, match="block_pages"):
+        api.paged_decode_attention(*inp.args(), loop=0, backend="xla", block_pages=1.5)
+    out = api.paged_decode_attention(*inp.args(), loop=0, backend="xla", block_pages=1)
+    assert_close(out, dense_out(spec), "block_pages=1 through the api")
 
 
 class TestPallasInterpret(PagedAttentionBase):

@@ -11,7 +11,9 @@ CUDA GPU >= sm80), "pallas_interpret" (the kernel body in Pallas' interpreter, a
 "auto" ("pallas" where the device and the configuration allow, else "xla"). num_splits
 (static): splits of each sequence's pages (the kernel's split-K over the context; default
 `default_num_splits`); launch: the kernel's `kvq_jax.kernels.launch.Launch` (None: the rule of
-`kvq_jax.kernels.launch.paged_attention`); both ignored by "xla".
+`kvq_jax.kernels.launch.paged_attention`); both ignored by "xla". block_pages (static): pages
+the XLA path decodes and attends per step (None: `xla.default_block_pages`); ignored by the
+kernel.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def paged_decode_attention(
     backend: str = "auto",
     num_splits: int | None = None,
     launch=None,
+    block_pages: int | None = None,
 ):
     """Decode attention of q [B, Hq, D] (one token per sequence) over loop `loop` of the
     quantized paged cache; float32 [B, Hq, D] (see the module doc for the arguments).
@@ -118,26 +121,41 @@ def paged_decode_attention(
     Raises TypeError/ValueError naming the argument for bad arguments (every backend), and
     ValueError for backend="pallas"/"pallas_interpret" with a configuration the kernel does
     not take (`config_support`) or, for "pallas", a device without the Triton kernels. The
-    XLA path equals dense attention on the reconstructed KV (`paged_cache.gather_batch`);
-    the kernel equals it to float32 round-off.
+    XLA path equals dense attention on the reconstructed KV (`paged_cache.gather_batch`) to
+    float32 round-off (blockwise online softmax), and so does the kernel.
     """
     check_cache(cache)  # before jit flattens it: a clear error for a non-cache
     return _paged_decode_attention(
         q, cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids, backend=backend,
         num_splits=num_splits, launch=_launch.check_launch(launch),
+        block_pages=_check_block_pages(block_pages),
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "backend", "num_splits", "launch"))
+def _check_block_pages(block_pages):
+    if block_pages is None:
+        return None
+    if isinstance(block_pages, bool) or not isinstance(block_pages, int | np.integer):
+        raise TypeError(f"block_pages must be a static int or None, got {block_pages!r}")
+    if block_pages < 1:
+        raise ValueError(f"block_pages must be >= 1, got {block_pages}")
+    return int(block_pages)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("loop", "backend", "num_splits", "launch", "block_pages")
+)
 def _paged_decode_attention(q, cache, block_tables, seq_lens, *, loop, seq_ids, backend,
-                            num_splits, launch):  # fmt: skip
+                            num_splits, launch, block_pages):  # fmt: skip
     """The jitted body of `paged_decode_attention`."""
     config = check_cache(cache)
     b = checks.check_decode_args(config, q, block_tables, seq_lens, loop, seq_ids)
     impl = choose_backend(q, cache, block_tables, loop=loop, backend=backend, num_splits=num_splits)
     seq_ids = jnp.arange(b, dtype=jnp.int32) if seq_ids is None else jnp.asarray(seq_ids)
     if impl == "xla":
-        return xla.paged_decode_attention(q, cache, block_tables, seq_lens, seq_ids, loop=loop)
+        return xla.paged_decode_attention(
+            q, cache, block_tables, seq_lens, seq_ids, loop=loop, block_pages=block_pages
+        )
     max_pages = np.shape(block_tables)[1]
     if num_splits is None:
         num_splits = default_num_splits(b, config.num_heads, max_pages)

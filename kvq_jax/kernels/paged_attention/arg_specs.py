@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kvq_jax.cache_state import codec_view
 from kvq_jax.paged_cache import PagedCacheConfig, append, init_cache
 
 
@@ -277,9 +278,11 @@ def random_inputs(spec: PagedAttentionSpec, seed: int = 0) -> Inputs:
         if packed is None:
             return None
         arrays = {}
-        for i, (name, a) in enumerate(packed.arrays.items()):
+        for i, (name, a) in enumerate(codec_view(packed).arrays.items()):
             sub = jax.random.fold_in(key, 16 * plane + i)
-            arrays[name] = _random_leaf(sub, name, a.shape, a.dtype)
+            leaf = _random_leaf(sub, name, a.shape, a.dtype)
+            stored = packed.arrays[name].dtype  # E4M3 fields are stored as uint8 bits
+            arrays[name] = leaf if leaf.dtype == stored else lax.bitcast_convert_type(leaf, stored)
         return dataclasses.replace(packed, **arrays)
 
     rows = {}

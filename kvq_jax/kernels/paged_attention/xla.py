@@ -1,20 +1,47 @@
-"""The XLA reference of quantized paged decode attention (what the kernel is held to).
+"""The XLA path of quantized paged decode attention, block of pages by block of pages.
 
-Every sequence's K and V are read from the cache (`cache_state.read_batch` with the XLA page
-decoder: quantized pages through the residual chain up to `loop`, staging rows for the partial
-page, raw sink rows, rows >= seq_len zeroed), then dense float32 attention at HIGHEST precision
-(`kvq_jax.attention.attend`).
+`paged_decode_attention` never materializes a sequence's reconstructed K/V: it runs an online
+softmax (running max, running sum, rescaled float32 accumulator) over
+  - the sink rows (raw, positions 0 .. sink - 1),
+  - the staging page (raw rows of the partial page, positions from (stored // ps) * ps),
+  - the quantized pages, `block_pages` at a time: each block is decoded through the residual
+    chain up to `loop` (`page_reconstruct.xla.decode_pages`, adaptive-exit depth map
+    included), attended, and dropped before the next (a `lax.fori_loop` that stops after the
+    last block any sequence attends),
+with every row masked to the positions the reference reads it at: so peak memory is one block
+of pages, whatever the context. The rows and masks are those of
+`cache_state.read_batch` (`paged_decode_attention_reference`: reconstruct every page, then
+dense attention), which it equals to float32 round-off.
 """
 
 from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
 
 from kvq_jax import cache_state
 from kvq_jax.attention import attend
 from kvq_jax.kernels.page_reconstruct import xla as page_xla
 
+#: Tokens one block of pages holds by default (a block is decoded, attended and dropped).
+DEFAULT_BLOCK_TOKENS = 256
 
-def paged_decode_attention(q, cache, block_tables, seq_lens, seq_ids, *, loop: int):
-    """Validated arguments (seq_ids an int32 [B] array) -> float32 [B, Hq, D] (traceable)."""
+
+def default_block_pages(page_size: int) -> int:
+    """Pages per block: `DEFAULT_BLOCK_TOKENS` tokens, at least one page."""
+    return max(1, DEFAULT_BLOCK_TOKENS // page_size)
+
+
+def paged_decode_attention_reference(q, cache, block_tables, seq_lens, seq_ids, *, loop: int):
+    """Reconstruct every attended page (`cache_state.read_batch` with the XLA page decoder),
+    then dense float32 attention at HIGHEST precision (`kvq_jax.attention.attend`).
+
+    Same arguments and result as `paged_decode_attention`; peak memory grows with the context
+    (the whole reconstructed K and V of every sequence). Kept as the reference the blockwise
+    path is tested against.
+    """
 
     def decode(kind, pages):
         base, delta = cache_state.planes(cache, kind)
@@ -25,4 +52,111 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, seq_ids, *, loop: i
     return attend(q, k, v, seq_lens)
 
 
-__all__ = ["paged_decode_attention"]
+class _Softmax:
+    """Online-softmax state for q [B, H, G, D] (float32): running max m and sum l [B, H, G],
+    accumulator acc [B, H, G, D]."""
+
+    def __init__(self, q):
+        self.q = q
+        self.scale = jnp.float32(1.0 / math.sqrt(q.shape[-1]))
+
+    def init(self):
+        b, h, g, d = self.q.shape
+        return (
+            jnp.full((b, h, g), -jnp.inf, jnp.float32),
+            jnp.zeros((b, h, g), jnp.float32),
+            jnp.zeros((b, h, g, d), jnp.float32),
+        )
+
+    def update(self, state, k, v, valid):
+        """Fold rows k, v [B, T, H, D] (any float dtype) where valid [B, T] into the state."""
+        m, l_sum, acc = state
+        hi = jax.lax.Precision.HIGHEST
+        valid4 = valid[:, :, None, None]
+        # Invalid rows may hold anything (an unwritten page decodes to garbage): zero them.
+        k = jnp.where(valid4, k.astype(jnp.float32), 0.0)
+        v = jnp.where(valid4, v.astype(jnp.float32), 0.0)
+        s = jnp.einsum("bhgd,bthd->bhgt", self.q, k, precision=hi) * self.scale
+        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing valid yet: no NaN
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[..., None])
+        l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("bhgt,bthd->bhgd", p, v, precision=hi)
+        return m_new, l_sum, acc
+
+    @staticmethod
+    def finish(state):
+        _, l_sum, acc = state
+        return acc / l_sum[..., None]
+
+
+def paged_decode_attention(
+    q, cache, block_tables, seq_lens, seq_ids, *, loop: int, block_pages: int | None = None
+):
+    """Validated arguments (seq_ids an int32 [B] array) -> float32 [B, Hq, D] (traceable).
+
+    q [B, Hq, D]; block_tables int32 [max_seqs, M]; seq_lens int32 [B] (rows attended, each
+    <= the stored length of its slot in `loop`); block_pages (static): quantized pages decoded
+    per step (None: `default_block_pages`). See the module doc.
+    """
+    config = cache.config
+    ps, sink = config.page_size, config.sink
+    b, hq, d = q.shape
+    h = config.num_heads
+    block_pages = default_block_pages(ps) if block_pages is None else int(block_pages)
+    if block_pages < 1:
+        raise ValueError(f"block_pages must be >= 1, got {block_pages}")
+
+    rows = cache_state.table_rows(block_tables, seq_ids)  # [B, M]
+    m_pages = rows.shape[1]
+    n_blocks = -(-m_pages // block_pages)
+    pad = n_blocks * block_pages - m_pages
+    rows = jnp.pad(rows, ((0, 0), (0, pad)), constant_values=-1)
+    page_ids = jnp.clip(rows, 0, config.num_pages - 1)
+
+    length = jnp.asarray(seq_lens, jnp.int32)  # [B]
+    stored = cache.seq_lens[loop][seq_ids]  # [B]
+    n_sink = min(sink, m_pages * ps)
+    full_end = (stored // ps) * ps  # rows below come from complete (quantized) pages
+    stage_start = full_end  # the partial page, if any, is staged
+    limit = jnp.minimum(length, full_end)  # quantized rows attended: [n_sink, limit)
+
+    soft = _Softmax(jnp.asarray(q, jnp.float32).reshape(b, h, hq // h, d))
+    state = soft.init()
+
+    def raw_rows(stage_or_sink):
+        return stage_or_sink[loop][seq_ids]  # [B, n, H, D]
+
+    if n_sink:
+        pos = jnp.arange(n_sink)[None, :]
+        sink_valid = pos < jnp.minimum(length, stored)[:, None]
+        k_sink, v_sink = raw_rows(cache.k_sink)[:, :n_sink], raw_rows(cache.v_sink)[:, :n_sink]
+        state = soft.update(state, k_sink, v_sink, sink_valid)
+
+    pos = stage_start[:, None] + jnp.arange(ps)[None, :]
+    stage_valid = (pos >= n_sink) & (pos < length[:, None]) & (stage_start < m_pages * ps)[:, None]
+    state = soft.update(state, raw_rows(cache.k_stage), raw_rows(cache.v_stage), stage_valid)
+
+    block_tokens = block_pages * ps
+
+    def decode(kind, pages):
+        base, delta = cache_state.planes(cache, kind)
+        out = page_xla.decode_pages(base, delta, pages, loop=loop, depth=cache.depth)
+        return out.reshape(b, block_tokens, h, d)
+
+    def body(j, state):
+        pages = jax.lax.dynamic_slice_in_dim(page_ids, j * block_pages, block_pages, axis=1)
+        pages = pages.reshape(-1)
+        pos = j * block_tokens + jnp.arange(block_tokens)[None, :]
+        valid = (pos >= n_sink) & (pos < limit[:, None])
+        return soft.update(state, decode("key", pages), decode("value", pages), valid)
+
+    # Blocks past every sequence's last quantized row are never decoded.
+    needed = jnp.minimum((jnp.max(limit) + block_tokens - 1) // block_tokens, n_blocks)
+    state = jax.lax.fori_loop(0, needed, body, state)
+    return soft.finish(state).reshape(b, hq, d)
+
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_reference"]
