@@ -250,9 +250,10 @@ def attention_bound(q, k_hat, v_hat, k, v, seq_lens):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_paged_attention(name):
-    """paged_decode_attention == dense attention on the reconstructed (padded) KV exactly,
-    == dense attention on the unpadded gathered KV to float32 round-off (rtol = atol = 1e-5,
-    last loop),
+    """paged_decode_attention == dense attention on the reconstructed (padded) KV and on the
+    unpadded gathered KV (last loop) to float32 round-off (rtol = atol = 1e-5: the XLA path
+    runs an online softmax block of pages by block of pages, so its sums are ordered
+    differently),
     and within the derived `attention_bound` (plus 1e-4 slack) of attention on the
     unquantized KV; GQA with 2 query heads per KV head."""
     config, k, v, cache = filled(name, "prefill")
@@ -265,7 +266,8 @@ def test_paged_attention(name):
         out = paged_decode_attention(q, cache, tables, lens, loop=loop)
         assert out.dtype == jnp.float32 and out.shape == (S, 2 * H, D)
         kr, vr = gather_batch(cache, tables, lens, loop=loop)
-        assert_same_bytes(out, dense_decode_attention(q, kr, vr, lens), "paged vs dense")
+        dense = dense_decode_attention(q, kr, vr, lens)
+        np.testing.assert_allclose(out, dense, rtol=1e-5, atol=1e-5, err_msg="paged vs dense")
         for s in range(S) if loop == L - 1 else ():
             n = int(seq_lens[s])
             kg, vg = gather(cache, seq_id=s, seq_len=n, block_table=tables[s], loop=loop)
