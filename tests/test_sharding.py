@@ -69,7 +69,7 @@ def expected(fmt, shape):
         return []
     return [
         (f"f32{shape}", "all-reduce", "reduce_max"),
-        (f"pred{shape}", "all-reduce", "reduce_and"),
+        (f"f32{shape}", "all-reduce", "reduce_sum"),  # all finite: sum(x * 0)
     ]
 
 """
@@ -114,8 +114,8 @@ for fmt in ("int4", "nvfp4", "fp8_e4m3"):
         assert_trees_same_bytes(code, ref, f"loops {tag}")
         found = collectives(enc, loops_s)
         n = len(code.residuals) + 1
-        if fmt == "nvfp4":  # one max and one AND per packed loop (maybe batched by XLA)
-            assert {f[2] for f in found} == {"reduce_max", "reduce_and"}, (tag, found)
+        if fmt == "nvfp4":  # one max and one sum per packed loop (maybe batched by XLA)
+            assert {f[2] for f in found} == {"reduce_max", "reduce_sum"}, (tag, found)
             assert all(f[1] == "all-reduce" for f in found) and len(found) <= 2 * n, found
         else:
             assert found == [], (tag, found)
@@ -223,7 +223,7 @@ for fmt in ("int4", "nvfp4"):
             check_cache(cache_s, tag)
             assert_trees_same_bytes(cache_s, cache_u, tag)
             found = flat(collectives(f, *args_s))
-            # NVFP4: for K and for V, one float32 max and one pred AND over the pages this
+            # NVFP4: for K and for V, one float32 max and one float32 sum over the pages this
             # call may complete (B x ceil(n / PS)); for loop 1 nothing more (decoding loop 0's
             # pages is collective-free).
             pages = B * -(-n // PS)
@@ -236,7 +236,9 @@ for fmt in ("int4", "nvfp4"):
         g = jax.jit(lambda q, c, bt, sl, loop=loop: paged_decode_attention(q, c, bt, sl, loop=loop))
         out = g(qs, cache_s, tables, lens)
         head_sharded(out, 1, tag)
-        assert_same_bytes(out, g(q, cache_u, tables, lens), tag)
+        # The XLA path sums block by block (online softmax): the sharded program may order
+        # its float32 sums differently, so the unsharded run is matched to round-off.
+        np.testing.assert_allclose(out, g(q, cache_u, tables, lens), rtol=1e-5, atol=1e-5)
         found = collectives(g, qs, cache_s, tables, lens)
         assert found == [], (tag, found)
         report[tag] = found
@@ -281,8 +283,9 @@ def test_head_sharding_is_collective_free_except_nvfp4_global_scale():
 def test_paged_cache_append_and_attention_are_head_sharded():
     """`append` (prefill and decode, loops 0 and 1) and `paged_decode_attention` with every
     page / staging / sink array of the cache sharded over its head axis: outputs stay sharded,
-    bytes equal the unsharded run, and the only collectives are NVFP4's per-page global-scale
-    all-reduces (asserted exactly in the subprocess)."""
+    cache bytes equal the unsharded run (attention: to float32 round-off), and the only
+    collectives are NVFP4's per-page global-scale all-reduces (asserted exactly in the
+    subprocess)."""
     report = _run(PAGED_SCRIPT)
     assert len(report) == 2 * (4 + 2), sorted(report)
     for name, found in report.items():
