@@ -16,6 +16,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 CASES = [
     ("paged.py", ["--batch", "1", "--context", "64", "--loops", "2"], "ms"),
     ("page_pack.py", ["--tokens", "256"], "ms"),
+    ("codec_speed.py", ["--shapes", "128,2,64"], "ms"),
     ("page_reconstruct.py", ["--batch", "1", "--context", "256"], "ms"),
     ("cache_lifecycle.py", ["--pools", "64", "--context", "32", "--swap-tokens", "32"], "ms"),
     (

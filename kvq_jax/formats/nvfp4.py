@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvq_jax import _grouping, _nibbles
 from kvq_jax._numerics import (
@@ -28,6 +29,8 @@ from kvq_jax.core.layouts import NVFP4Layout
 from kvq_jax.packed import PackedKV
 
 GROUP_SIZE = NVFP4_GROUP_SIZE
+#: The smallest positive float8_e4m3fn value (a subnormal), 2**-9.
+E4M3_MIN_POSITIVE = np.float32(2.0**-9)
 
 
 def block_amax(layout: _grouping.GroupLayout, values: jnp.ndarray) -> jnp.ndarray:
@@ -65,9 +68,12 @@ def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, vmax: jnp.ndarray):
     r = jnp.where(v == 0, jnp.float32(0.0), flush_subnormal(divide(1.0, v, fuse=False)))
     # Tiny-scale fallback: the reciprocal path underflowed although the block scale did not
     # (only for tensors near float32's range). It needs a full-size exact division, so it is
-    # traced only into the branch that runs when some block needs it (under vmap the cond
-    # becomes a select and both branches run).
+    # traced only into the branch taken when some block may need it: when the smallest
+    # positive E4M3 scale times 1/g flushes (a bound from g alone, so a head-sharded tensor
+    # decides without a collective; under vmap the cond becomes a select, both branches run).
     fallback = (v == 0) & (sf > 0)
+    inv_g = flush_subnormal(divide(1.0, g, fuse=False))
+    may_fall_back = flush_subnormal(E4M3_MIN_POSITIVE * inv_g) == 0
 
     def encode(with_fallback: bool):
         y = flush_subnormal(xg * r)
@@ -78,7 +84,7 @@ def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, vmax: jnp.ndarray):
         y = jnp.clip(y, -E2M1_MAX, E2M1_MAX)
         return e2m1_encode(y, jnp.signbit(xg))
 
-    codes = jax.lax.cond(jnp.any(fallback), lambda: encode(True), lambda: encode(False))
+    codes = jax.lax.cond(may_fall_back, lambda: encode(True), lambda: encode(False))
     return codes, s8
 
 
