@@ -12,7 +12,8 @@ NVFP4 is the exception, by format: its global scale is a max of |x| over the who
 page for paged caches) and its finite check a sum of x * 0 over the whole tensor (NaN unless
 every element is finite), both across heads. Its packing HLO must hold exactly those two
 all-reduces (one float32 max, one float32 sum, each of the global-scale shape: [] per tensor,
-[P] per page) and nothing else; its global_scale is replicated. Unpacking is collective-free for every format.
+[P] per page) and nothing else; its global_scale is replicated. Unpacking is collective-free
+for every format.
 """
 
 from __future__ import annotations
