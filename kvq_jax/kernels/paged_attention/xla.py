@@ -111,6 +111,7 @@ def paged_decode_attention(
 
     rows = cache_state.table_rows(block_tables, seq_ids)  # [B, M]
     m_pages = rows.shape[1]
+    block_pages = min(block_pages, m_pages)  # a short table: one block, no padded pages
     n_blocks = -(-m_pages // block_pages)
     pad = n_blocks * block_pages - m_pages
     rows = jnp.pad(rows, ((0, 0), (0, pad)), constant_values=-1)
