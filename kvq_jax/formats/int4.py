@@ -31,16 +31,15 @@ def group_range(layout: _grouping.GroupLayout, values: jnp.ndarray):
     return mn, mx, jnp.all(jnp.isfinite(raw), axis=m, keepdims=True)
 
 
-def quantize_groups(xg: jnp.ndarray, mn, mx, finite):
-    """Grouped float32 values and their group range (`group_range`) -> (codes uint8 like xg,
-    minimum f16, scale f16 per group, keepdims)."""
+def quantize_groups(xg: jnp.ndarray, mn, mx, finite, levels=INT4_LEVELS):
+    """Grouped float32 values and their group range (`group_range`) -> (codes uint8 0..levels
+    like xg, minimum f16, scale f16 = span / levels per group, keepdims). levels: 15 (INT4)
+    or 3 (INT2)."""
     mn = jnp.where(mn == 0, jnp.float32(0.0), mn)  # a zero minimum is stored as +0.0
     span = flush_subnormal(mx - mn)
-    scale = jnp.where(
-        span > 0, flush_subnormal(divide(span, INT4_LEVELS, fuse=False)), jnp.float32(1.0)
-    )
+    scale = jnp.where(span > 0, flush_subnormal(divide(span, levels, fuse=False)), jnp.float32(1.0))
     q = round_half_even(divide(flush_subnormal(xg - mn), scale))
-    codes = jnp.where(q >= 0, jnp.minimum(q, 15.0), 0.0)  # NaN -> 0
+    codes = jnp.where(q >= 0, jnp.minimum(q, jnp.float32(levels)), 0.0)  # NaN -> 0
     codes = jnp.where(finite, codes, 0.0).astype(jnp.uint8)
     minimum = jnp.where(finite, mn, jnp.nan).astype(jnp.float16)
     scale = jnp.where(finite, scale, jnp.nan).astype(jnp.float16)
