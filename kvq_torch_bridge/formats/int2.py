@@ -6,19 +6,16 @@ the stored FP16 metadata is rounded afterwards and used by decode.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvq_jax.core.constants import INT2_LEVELS
 from kvq_jax.core.layouts import Int2Layout
 from kvq_torch_bridge import _grouping
 from kvq_torch_bridge._dtypes import torch_dtype
-from kvq_torch_bridge._numerics import F32, divide, flush_subnormal, round_half_even, widen
+from kvq_torch_bridge._numerics import widen
 from kvq_torch_bridge.codec import Codec
+from kvq_torch_bridge.formats.int4 import dequantize, quantize
 from kvq_torch_bridge.packed import PackedKV
-
-_CODE_MAX = 3.0
 
 
 def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
@@ -38,36 +35,10 @@ def unpack_2bit(packed: torch.Tensor, channels: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], 4 * packed.shape[-1])[..., :channels]
 
 
-def quantize(x: torch.Tensor, layout: _grouping.GroupLayout):
-    """float32 [T, H, D] -> (codes uint8 [T, H, D], minimum f16, scale f16 [metadata shape])."""
-    mn = layout.reduce(torch.amin, x)
-    mx = layout.reduce(torch.amax, x)
-    # tested element-wise: a non-finite group must not depend on NaN handling of min/max
-    finite = layout.reduce(torch.all, torch.isfinite(x))
-    mn = torch.where(mn == 0, 0.0, mn)  # a zero minimum is stored as +0.0
-    span = flush_subnormal(mx - mn)
-    scale = torch.where(span > 0, flush_subnormal(divide(span, INT2_LEVELS)), 1.0)
-    q = round_half_even(divide(flush_subnormal(x - layout.expand(mn)), layout.expand(scale)))
-    # clamp before the cast (float -> uint8 wraps in torch); NaN -> 0
-    codes = torch.where(q >= 0, torch.clamp(q, max=_CODE_MAX), 0.0)
-    codes = torch.where(layout.expand(finite), codes, 0.0).to(torch.uint8)
-    minimum = torch.where(finite, mn, math.nan).to(torch.float16)
-    scale = torch.where(finite, scale, math.nan).to(torch.float16)
-    return codes, minimum, scale
-
-
-def dequantize(codes, minimum, scale, layout: _grouping.GroupLayout) -> torch.Tensor:
-    """uint8 codes [T, H, D] and per-group f16 metadata -> float32 values [T, H, D] (the
-    product is exact and the sum never float32-subnormal: no flush needed)."""
-    mn = layout.expand(minimum.to(F32))
-    sc = layout.expand(scale.to(F32))
-    return codes.to(F32) * sc + mn
-
-
 class Int2Codec(Int2Layout, Codec):
     def pack(self, values, *, kind, axis, group_size) -> PackedKV:
         layout = _grouping.GroupLayout(tuple(values.shape), axis, group_size)
-        codes, minimum, scale = quantize(widen(values), layout)
+        codes, minimum, scale = quantize(widen(values), layout, INT2_LEVELS)
         return self._packed(
             {"codes": pack_2bit(codes), "minimum": minimum, "scale": scale},
             kind=kind,

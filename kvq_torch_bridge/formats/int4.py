@@ -17,21 +17,20 @@ from kvq_torch_bridge._numerics import F32, divide, flush_subnormal, round_half_
 from kvq_torch_bridge.codec import Codec
 from kvq_torch_bridge.packed import PackedKV
 
-_CODE_MAX = 15.0
 
-
-def quantize(x: torch.Tensor, layout: _grouping.GroupLayout):
-    """float32 [T, H, D] -> (codes uint8 [T, H, D], minimum f16, scale f16 [metadata shape])."""
+def quantize(x: torch.Tensor, layout: _grouping.GroupLayout, levels=INT4_LEVELS):
+    """float32 [T, H, D] -> (codes uint8 0..levels [T, H, D], minimum f16, scale f16 = span /
+    levels [metadata shape]). levels: 15 (INT4) or 3 (INT2)."""
     mn = layout.reduce(torch.amin, x)
     mx = layout.reduce(torch.amax, x)
     # tested element-wise: a non-finite group must not depend on NaN handling of min/max
     finite = layout.reduce(torch.all, torch.isfinite(x))
     mn = torch.where(mn == 0, 0.0, mn)  # a zero minimum is stored as +0.0
     span = flush_subnormal(mx - mn)
-    scale = torch.where(span > 0, flush_subnormal(divide(span, INT4_LEVELS)), 1.0)
+    scale = torch.where(span > 0, flush_subnormal(divide(span, levels)), 1.0)
     q = round_half_even(divide(flush_subnormal(x - layout.expand(mn)), layout.expand(scale)))
     # clamp before the cast (float -> uint8 wraps in torch); NaN -> 0
-    codes = torch.where(q >= 0, torch.clamp(q, max=_CODE_MAX), 0.0)
+    codes = torch.where(q >= 0, torch.clamp(q, max=float(levels)), 0.0)
     codes = torch.where(layout.expand(finite), codes, 0.0).to(torch.uint8)
     minimum = torch.where(finite, mn, math.nan).to(torch.float16)
     scale = torch.where(finite, scale, math.nan).to(torch.float16)
