@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -410,16 +411,38 @@ def swap_out(cache: PagedKVCache, *, slot, pages) -> HostSequence:
     config = check_cache(cache)
     pages = checks.check_page_ids(config, pages)
     checks.check_slot(config, slot)
+    want = expected_shapes(config, len(pages))  # stored uint8 bits -> the format's dtypes
     if _on_cpu(cache):
-        # The host already holds the buffers (device_get is a view): one gather, in NumPy.
-        arrays = {n: np.take(np.asarray(a), pages, axis) for n, axis, a in cache.page_arrays()}
-        arrays.update((n, np.array(a[:, slot])) for n, a in cache.slot_arrays())
+        # The host already holds the buffers (np.asarray is a view): gather in NumPy, straight
+        # into one allocation (many separate ones page-fault their way to half the speed).
+        arrays = _host_arrays(want)
+        for name, axis, a in cache.page_arrays():
+            src = np.asarray(a)
+            np.take(src, pages, axis, out=arrays[name].view(src.dtype), mode="clip")
+        for name, a in cache.slot_arrays():
+            src = np.asarray(a)
+            np.copyto(arrays[name].view(src.dtype), src[:, slot])
     else:  # gather on the device, then move only the sequence's bytes
         arrays = jax.device_get(_take_sequence(cache, jnp.int32(slot), jnp.asarray(pages)))
-    want = expected_shapes(config, len(pages))  # stored uint8 bits -> the format's dtypes
-    return HostSequence(
-        config=config, arrays={k: np.asarray(a).view(want[k][1]) for k, a in arrays.items()}
-    )
+        arrays = {k: np.asarray(a).view(want[k][1]) for k, a in arrays.items()}
+    return HostSequence(config=config, arrays=arrays)
+
+
+def _host_arrays(want, align: int = 64) -> dict[str, np.ndarray]:
+    """Empty arrays of `want` ({name: (shape, dtype)}): aligned views of one host buffer."""
+    offsets, total = {}, 0
+    for name, (shape, dtype) in want.items():
+        total = -(-total // align) * align
+        offsets[name] = total
+        total += math.prod(shape) * np.dtype(dtype).itemsize
+    buf = np.empty(total + align, np.uint8)
+    start = -buf.ctypes.data % align
+    out = {}
+    for name, (shape, dtype) in want.items():
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        out[name] = buf[start + offsets[name] : start + offsets[name] + size].view(dtype)
+        out[name] = out[name].reshape(shape)
+    return out
 
 
 def _on_cpu(cache) -> bool:

@@ -24,6 +24,11 @@ CASES = [
         ["--batch", "1", "--context", "256", "--loops", "0", "1", "--formats", "int4"],
         "ms",
     ),
+    (
+        "engine_decode.py",
+        ["--layers", "1", "--context", "64", "--policies", "bf16,int4-g64+win"],
+        "ms",
+    ),
 ]
 
 
