@@ -179,6 +179,7 @@ def measure(model, policy, *, loops, batch, context, pool_factor, page_size, tim
 
 def with_ratios(rows: list[dict]) -> list[dict]:
     """Adds x_bf16 (step / the bf16 step, same shape) and x_f1 (step / the smallest pool's)."""
+
     def key(r, **change):
         return tuple({**r, **change}[k] for k in ("loops", "batch", "context", "pool_factor",
                                                    "policy"))  # fmt: skip
