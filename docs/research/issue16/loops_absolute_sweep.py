@@ -122,6 +122,9 @@ def main(win):
         for modes in itertools.product([True, False], repeat=3):
             cands.append((f"Kabs V int4@{place}", list(zip(["int2"] * 4, A, strict=True)),
                           list(zip(vf, (True, *modes), strict=True))))  # fmt: skip
+    v2244 = list(zip(["int2", "int2", "int4", "int4"], A, strict=True))
+    for modes in itertools.product([True, False], repeat=3):  # keys per loop, V 2/2/4/4 abs
+        cands.append(("Kmix Vbest", list(zip(["int2"] * 4, (True, *modes), strict=True)), v2244))
     for name, ks, vs in cands:
         bits, mean, dec = run(ks, vs, win)
         print(
