@@ -6,6 +6,8 @@
 Encoding against the reconstruction (not the original) keeps the error of loop l at the level
 of one encoding instead of compounding. Sparse residuals store only some rows: compact rows
 [N, H, D] and an owned int32 position map into [0, T); absent rows inherit R_{l-1}.
+An absolute residual (`absolute=True`) packs the rows themselves, R_l = decode(pack(X_l)) on
+the rows it owns: for loops that do not converge, where a delta is as large as the loop.
 
 This layer sits above the codecs and works with any registered format.
 """
@@ -33,7 +35,7 @@ class KVResidual(KVResidualBase):
 jax.tree_util.register_dataclass(
     KVResidual,
     data_fields=["payload", "positions", "head", "tail"],
-    meta_fields=["shape", "window"],
+    meta_fields=["shape", "window", "absolute"],
 )
 
 
@@ -74,8 +76,9 @@ def encode_residual(
     axis: str | None = None,
     positions=None,
     window: Window | None = None,
+    absolute: bool = False,
 ) -> KVResidual:
-    """Pack `current` as a delta against the reconstructed `previous`.
+    """Pack `current` as a delta against the reconstructed `previous` (or on its own).
 
     Args:
       current: [T, H, D] (dense) or the compact rows [N, H, D] listed by `positions`.
@@ -86,8 +89,13 @@ def encode_residual(
         entry reads NaN rows, so it shows up as NaN in the payload, never as a clamped row).
       window: keep the first `sink` and last `recent` rows (of the compact rows, for a sparse
         residual, whose map must then include the window rows) raw, in the input dtype.
+      absolute: pack the rows of `current` themselves (against zero), not their delta; the
+        decoded rows then do not add `previous` (which still sets the shape, and the rows a
+        sparse residual does not list).
     """
     checks.check_positions_dtype(positions)
+    if not isinstance(absolute, bool):
+        raise TypeError(f"absolute must be a bool, got {type(absolute).__name__}")
     return _encode_residual(
         current,
         previous,
@@ -97,10 +105,13 @@ def encode_residual(
         axis=axis,
         positions=positions,
         window=window,
+        absolute=absolute,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "format", "group_size", "axis", "window"))
+@functools.partial(
+    jax.jit, static_argnames=("kind", "format", "group_size", "axis", "window", "absolute")
+)
 def _encode_residual(
     current,
     previous,
@@ -111,6 +122,7 @@ def _encode_residual(
     axis: str | None = None,
     positions=None,
     window: Window | None = None,
+    absolute: bool = False,
 ) -> KVResidual:
     """Jitted body of `encode_residual` (positions dtype already checked)."""
     current, previous = jnp.asarray(current), jnp.asarray(previous)
@@ -119,8 +131,10 @@ def _encode_residual(
         positions = jnp.asarray(positions)
         checks.check_positions_layout(positions.shape, positions.dtype, n, t)
     window = check_window(window)
-    head, current, tail, base = rows.encode_rows(current, previous, positions, window, ROW_OPS)
-    delta = subtract_in_dtype(current, base)
+    head, current, tail, base = rows.encode_rows(
+        current, previous, positions, window, ROW_OPS, absolute
+    )
+    delta = current if absolute else subtract_in_dtype(current, base)
     payload = pack_kv(delta, kind=kind, format=format, group_size=group_size, axis=axis)
     return KVResidual(
         payload=payload,
@@ -129,12 +143,14 @@ def _encode_residual(
         tail=tail,
         shape=previous.shape,
         window=window,
+        absolute=absolute,
     )
 
 
 @jax.jit
 def decode_residual(residual: KVResidual, previous) -> jnp.ndarray:
-    """Rebuild the loop: `previous` + decoded delta on the owned rows, in the input dtype.
+    """Rebuild the loop: `previous` + decoded delta on the owned rows, in the input dtype (an
+    absolute residual: the decoded rows alone, `previous` not added).
 
     Rows a sparse residual does not list are `previous`'s rows, bit for bit; window rows are
     the stored raw rows, bit for bit.
@@ -145,5 +161,12 @@ def decode_residual(residual: KVResidual, previous) -> jnp.ndarray:
     checks.check_previous(residual, previous)
     delta = unpack_kv(residual.payload)
     return rows.decode_rows(
-        previous, delta, residual.head, residual.tail, residual.positions, residual.window, ROW_OPS
+        previous,
+        delta,
+        residual.head,
+        residual.tail,
+        residual.positions,
+        residual.window,
+        ROW_OPS,
+        residual.absolute,
     )

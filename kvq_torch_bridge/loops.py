@@ -1,5 +1,6 @@
 """Loop stacks in torch (mirrors kvq_jax.loops, same bytes): loop 0 packed whole (the base),
-loop l >= 1 a `KVResidual` against the reconstruction of loop l - 1, 0-based loops.
+loop l >= 1 a `KVResidual` against the reconstruction of loop l - 1 (or, listed in
+`absolute`, packed on its own), 0-based loops.
 
 Torch runs the loops as a plain Python loop (kvq_jax uses `lax.scan` for dense stacks); the
 bytes are the same.
@@ -57,11 +58,13 @@ def encode_loops(
     axis: str | None = None,
     positions=None,
     window: Window | None = None,
+    absolute: Sequence[int] | None = None,
 ) -> LoopCode:
     """Pack a loop stack `loops` [L, T, H, D] (L >= 1) as a base plus L - 1 residuals.
 
     Arguments as for `kvq_jax.encode_loops` (`residual_format`: one name, or one per later
-    loop); `positions` entries are None or int32 [N_l]
+    loop; `absolute`: the later loops packed on their own); `positions` entries are None or
+    int32 [N_l]
     torch tensors / numpy arrays.
     """
     if not isinstance(loops, torch.Tensor):
@@ -77,13 +80,14 @@ def encode_loops(
         window,
         get_codec,
     )
+    flags = checks.absolute_flags(absolute, loops.shape[0])
 
     base = pack_kv(
         loops[0], kind=kind, format=base_format, group_size=group_size, axis=axis, window=window
     )
     recon = unpack_kv(base)
     residuals = []
-    for current, pos, (fmt, group) in zip(loops[1:], positions, streams, strict=True):
+    for current, pos, (fmt, group), flag in zip(loops[1:], positions, streams, flags, strict=True):
         if pos is not None and not isinstance(pos, torch.Tensor):
             pos = torch.from_numpy(np.array(pos, copy=True)).to(loops.device)
         rows = current if pos is None else current[pos]
@@ -96,6 +100,7 @@ def encode_loops(
             axis=axis,
             positions=pos,
             window=window,
+            absolute=flag,
         )
         recon = decode_residual(residual, recon)
         residuals.append(residual)
@@ -122,10 +127,20 @@ def decode_loops(code: LoopCode) -> torch.Tensor:
 @torch.no_grad()
 def decode_loop(code: LoopCode, *, loop: int) -> torch.Tensor:
     """Loop `loop` (0-based) reconstructed, [T, H, D], carrying one running reconstruction
-    through the residuals instead of materializing every loop."""
+    through the residuals instead of materializing every loop (from the last dense absolute
+    loop at or before `loop`, which needs no predecessor)."""
     _check_code(code)
     loop = checks.check_loop_index(loop, code.num_loops)
-    recon = unpack_kv(code.base)
-    for residual in code.residuals[:loop]:
+    dense_absolute = [
+        i + 1 for i, r in enumerate(code.residuals[:loop]) if r.absolute and r.positions is None
+    ]
+    start = max(dense_absolute, default=0)
+    if start:
+        first = code.residuals[start - 1]
+        zeros = torch.zeros(first.shape, dtype=first.torch_dtype, device=first.payload.device)
+        recon = decode_residual(first, zeros)
+    else:
+        recon = unpack_kv(code.base)
+    for residual in code.residuals[start:loop]:
         recon = decode_residual(residual, recon)
     return recon

@@ -95,4 +95,6 @@ def register_pytree(cls, data_fields, meta_fields) -> None:
 
 register_pytree(PackedKV, ARRAY_FIELDS, META_FIELDS)
 register_pytree(WindowedKV, ("head", "tail", "middle"), ("window", "shape"))
-register_pytree(KVResidual, ("payload", "positions", "head", "tail"), ("shape", "window"))
+register_pytree(
+    KVResidual, ("payload", "positions", "head", "tail"), ("shape", "window", "absolute")
+)

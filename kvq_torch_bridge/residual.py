@@ -3,6 +3,7 @@
     D_l = X_l - R_{l-1}              (in the input dtype)
     R_l = R_{l-1} + decode(pack(D_l))  (in the input dtype)
 
+An absolute residual packs the rows themselves: R_l = decode(pack(X_l)) on its rows.
 Sparse residuals store only some rows: compact rows [N, H, D] and an owned int32 position map
 into [0, T); absent rows inherit R_{l-1}. With a window, the first `sink` and last `recent`
 (compact) rows are stored raw. Encode and decode never read data back to the host; the position
@@ -81,9 +82,10 @@ def encode_residual(
     axis: str | None = None,
     positions=None,
     window: Window | None = None,
+    absolute: bool = False,
 ) -> KVResidual:
-    """Pack `current` as a delta against the reconstructed `previous` (same bytes as
-    `kvq_jax.encode_residual`).
+    """Pack `current` as a delta against the reconstructed `previous`, or on its own
+    (`absolute`) (same bytes as `kvq_jax.encode_residual`).
 
     Args:
       current: [T, H, D] (dense) or the compact rows [N, H, D] listed by `positions`.
@@ -94,13 +96,19 @@ def encode_residual(
         `previous.device`.
       window: keep the first `sink` and last `recent` rows (of the compact rows, for a sparse
         residual, whose map must then include the window rows) raw, in the input dtype.
+      absolute: pack the rows of `current` themselves (against zero), not their delta; the
+        decoded rows then do not add `previous`.
     """
+    if not isinstance(absolute, bool):
+        raise TypeError(f"absolute must be a bool, got {type(absolute).__name__}")
     positions = _check_pair(current, previous, positions)
     window = check_window(window)
     if positions is not None:
         positions = own_rows(positions.to(previous.device))
-    head, current, tail, base = rows.encode_rows(current, previous, positions, window, ROW_OPS)
-    delta = subtract_in_dtype(current, base)
+    head, current, tail, base = rows.encode_rows(
+        current, previous, positions, window, ROW_OPS, absolute
+    )
+    delta = current if absolute else subtract_in_dtype(current, base)
     payload = pack_kv(delta, kind=kind, format=format, group_size=group_size, axis=axis)
     return KVResidual(
         payload=payload,
@@ -109,12 +117,14 @@ def encode_residual(
         tail=tail,
         shape=tuple(previous.shape),
         window=window,
+        absolute=absolute,
     )
 
 
 @torch.no_grad()
 def decode_residual(residual: KVResidual, previous: torch.Tensor) -> torch.Tensor:
-    """Rebuild the loop: `previous` + decoded delta on the owned rows, in the input dtype.
+    """Rebuild the loop: `previous` + decoded delta on the owned rows, in the input dtype (an
+    absolute residual: the decoded rows alone, `previous` not added).
 
     Rows a sparse residual does not list are `previous`'s rows, bit for bit; window rows are
     the stored raw rows, bit for bit. Returns a new tensor (`previous` is not modified).
@@ -125,5 +135,12 @@ def decode_residual(residual: KVResidual, previous: torch.Tensor) -> torch.Tenso
     checks.check_previous(residual, meta(previous))
     delta = unpack_kv(residual.payload)
     return rows.decode_rows(
-        previous, delta, residual.head, residual.tail, residual.positions, residual.window, ROW_OPS
+        previous,
+        delta,
+        residual.head,
+        residual.tail,
+        residual.positions,
+        residual.window,
+        ROW_OPS,
+        residual.absolute,
     )

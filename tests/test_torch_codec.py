@@ -146,7 +146,7 @@ _TO_JAX = {v: k for k, v in _TO_TORCH.items()}
 
 
 #: Static metadata fields of the containers (compared as Python values, never converted).
-META = {"format", "kind", "axis", "group_size", "shape", "dtype", "window"}
+META = {"format", "kind", "axis", "group_size", "shape", "dtype", "window", "absolute"}
 
 
 def to_torch(obj, device="cpu"):

@@ -397,6 +397,41 @@ def residual_formats(residual_format, base_format, num_residuals: int) -> tuple[
     return tuple(residual_format)
 
 
+def absolute_flags(absolute, num_loops: int) -> tuple[bool, ...]:
+    """One flag per later loop (loop 1 .. L - 1): True for a loop listed in `absolute`.
+
+    `absolute`: None (every later loop a delta) or a sequence of distinct int loop indices
+    (0-based) in [1, num_loops). Loop 0 is the base, always stored whole, so listing it is an
+    error, as is an index out of range, a repeated one or a non-int; ValueError/TypeError
+    naming `absolute`."""
+    if absolute is None:
+        return (False,) * (num_loops - 1)
+    if isinstance(absolute, str) or not isinstance(absolute, Sequence):
+        raise TypeError(
+            "absolute must be None or a sequence of loop indices (0-based, in [1, L)), got "
+            f"{type(absolute).__name__}"
+        )
+    loops = []
+    for loop in absolute:
+        if not is_int(loop):
+            raise TypeError(f"absolute must hold int loop indices, got {loop!r} in {absolute!r}")
+        loop = int(loop)
+        if loop == 0:
+            raise ValueError(
+                "absolute: loop 0 is the base, always stored whole; list later loops, in "
+                f"[1, {num_loops}) (got {list(absolute)!r})"
+            )
+        if not 1 <= loop < num_loops:
+            raise ValueError(
+                f"absolute: loop {loop} is out of range [1, {num_loops}) for a stack of "
+                f"{num_loops} loops (got {list(absolute)!r})"
+            )
+        if loop in loops:
+            raise ValueError(f"absolute: loop {loop} is listed twice in {list(absolute)!r}")
+        loops.append(loop)
+    return tuple(i in loops for i in range(1, num_loops))
+
+
 def resolve_loop_streams(
     shape, base_format, residual_format, group_size, residual_group_size, positions, window,
     get_codec,

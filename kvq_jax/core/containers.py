@@ -143,14 +143,19 @@ class WindowedKVBase(_Derived):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVResidualBase(_Derived):
-    """One loop stored as a delta against the reconstructed previous loop.
+    """One loop stored as a delta against the reconstructed previous loop, or (absolute)
+    on its own.
 
-    payload:   PackedKV of the delta of the quantized rows, [M, H, D].
+    payload:   PackedKV of the delta of the quantized rows, [M, H, D] (absolute: of the
+               rows themselves, encoded against zero).
     positions: int32 [N] rows of [0, T) this residual owns (None: dense, every row).
     head/tail: raw rows of the current loop kept by the window (None without a window),
                [h, H, D] and [t, H, D] in the input dtype.
     shape:     (T, H, D) of the full loop.
     window:    the Window, or None.
+    absolute:  False (a delta: decoding adds the previous loop) or True (the owned rows
+               decode from the payload alone; unlisted rows of a sparse residual still
+               inherit the previous loop). Static metadata; it adds no bytes.
 
     Dense without window M = T; sparse M = N; a window takes h rows from the front and t rows
     from the back of the (compact) rows before the rest is packed.
@@ -162,6 +167,7 @@ class KVResidualBase(_Derived):
     tail: Any = None
     shape: tuple[int, int, int]
     window: Window | None = None
+    absolute: bool = False
 
     @property
     def _inner(self):

@@ -11,6 +11,13 @@ format may differ per loop (a tuple), which expresses FlashLoop's codec profiles
 (`flashloop_torch.kv_quantization.CODEC_PROFILES`): "legacy" stores keys in 2 bits in every
 loop and values in 4/4/2/2 bits over four loops, "kivi" everything in 2 bits, all in groups
 of 64 (keys per channel over tokens, values per token over channels).
+
+A later loop may be stored absolute (`absolute`, `v_absolute`): packed on its own instead of
+as a delta against the reconstructed previous loop (`encode_loops(absolute=...)`). On loops
+that do not converge (the embedded capture's emulated loops: V's loop-to-loop delta is about
+as large as V) a delta costs as many bits as the loop and carries the previous loop's error
+too; "loops-abs-v2442" spends FlashLoop legacy's 3.000 bits (two INT4 slots, six INT2) with
+keys absolute in every loop and values at 2/4/4/2 bits, loops 1 and 2 absolute.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ class Policy:
       a residual loop in another format takes that format's default (as `encode_loops`).
     window: raw BF16 rows kept unquantized, or None.
     v_base_format / v_residual_format: the values' formats (None: the key formats).
+    absolute: the later loops (0-based, >= 1) of keys stored absolute, packed on their own
+      instead of as deltas; loops past a stack's end are ignored (a 4-loop profile runs on
+      fewer loops). v_absolute: the values' (None: the same as the keys').
     """
 
     name: str
@@ -45,6 +55,25 @@ class Policy:
     window: Window | None = None
     v_base_format: str | None = None
     v_residual_format: str | tuple[str, ...] | None = None
+    absolute: tuple[int, ...] = ()
+    v_absolute: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for field in ("absolute", "v_absolute"):
+            loops = getattr(self, field)
+            if loops is None and field == "v_absolute":
+                continue
+            if isinstance(loops, str) or not isinstance(loops, tuple | list):
+                raise TypeError(f"Policy.{field} must be a tuple of loop indices, got {loops!r}")
+            for loop in loops:
+                if isinstance(loop, bool) or not isinstance(loop, int) or loop < 1:
+                    raise ValueError(
+                        f"Policy.{field}: loops stored absolute are ints >= 1 (loop 0 is the "
+                        f"base, always stored whole), got {loops!r}"
+                    )
+            if len(set(loops)) != len(loops):
+                raise ValueError(f"Policy.{field}: a loop is listed twice in {loops!r}")
+            object.__setattr__(self, field, tuple(sorted(loops)))
 
     @property
     def quantized(self) -> bool:
@@ -77,6 +106,15 @@ class Policy:
         later = tuple(residual[min(i, len(residual) - 1)] for i in range(num_loops - 1))
         return (base, *later)
 
+    def absolute_loops(self, kind: str, num_loops: int) -> tuple[int, ...]:
+        """The loops (0-based, in [1, num_loops)) of `kind` stored absolute."""
+        if kind not in ("key", "value"):
+            raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+        loops = self.absolute
+        if kind == "value" and self.v_absolute is not None:
+            loops = self.v_absolute
+        return tuple(loop for loop in loops if loop < num_loops)
+
     def stream(self, kind: str, loop: int) -> tuple[str, int | None]:
         """(format, group_size) of loop `loop` (0-based) of `kind`, as `encode_loops` resolves
         them: the policy's group size for a loop in the base's format, else None (the
@@ -87,10 +125,17 @@ class Policy:
 
     def loop_kwargs(self, kind: str, num_loops: int | None = None) -> dict:
         """Keyword arguments of `kvq_jax.encode_loops` (and the Torch mirror) for `kind`;
-        `num_loops` (L) is needed when the residual formats differ per loop."""
+        `num_loops` (L) is needed when the residual formats differ per loop or some loops
+        are stored absolute (then `absolute` is among them)."""
         if not self.quantized:
             raise ValueError(f"policy {self.name!r} is the unquantized reference")
         base, residual = self.formats(kind)
+        absolute = self.absolute if kind == "key" or self.v_absolute is None else self.v_absolute
+        if absolute and num_loops is None:
+            raise ValueError(
+                f"num_loops: policy {self.name!r} stores some loops absolute; pass the number "
+                "of loops"
+            )
         if not isinstance(residual, str):
             if num_loops is None:
                 raise ValueError(
@@ -100,13 +145,16 @@ class Policy:
             residual = self.loop_formats(kind, num_loops)[1:]
             if len(set(residual)) == 1:
                 residual = residual[0]
-        return dict(
+        kwargs = dict(
             kind=kind,
             base_format=base,
             residual_format=residual,
             group_size=self.group_size,
             window=self.window,
         )
+        if absolute and self.absolute_loops(kind, num_loops):
+            kwargs["absolute"] = self.absolute_loops(kind, num_loops)
+        return kwargs
 
 
 def _with_window(policies: list[Policy]) -> list[Policy]:
@@ -141,6 +189,30 @@ POLICIES: dict[str, Policy] = {
                     v_residual_format=("int4", "int2", "int2"),
                 ),
                 Policy("flashloop-kivi", "int2", "int2", group_size=64),
+                # Absolute loops (issue 16's second goal; the embedded capture's loops do not
+                # converge): FlashLoop legacy's 3.000 bits with keys INT2 absolute in every
+                # loop and values INT2/INT4/INT4/INT2, loops 1-2 absolute, loop 3 a delta.
+                Policy(
+                    "loops-abs-v2442",
+                    "int2",
+                    "int2",
+                    group_size=64,
+                    v_base_format="int2",
+                    v_residual_format=("int4", "int4", "int2"),
+                    absolute=(1, 2, 3),
+                    v_absolute=(1, 2),
+                ),
+                # FlashLoop legacy's formats with only the keys absolute.
+                Policy(
+                    "loops-abs-keys",
+                    "int2",
+                    "int2",
+                    group_size=64,
+                    v_base_format="int4",
+                    v_residual_format=("int4", "int2", "int2"),
+                    absolute=(1, 2, 3),
+                    v_absolute=(),
+                ),
             ]
         ),
     ]

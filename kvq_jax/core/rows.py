@@ -31,34 +31,46 @@ class RowOps(NamedTuple):
     own: Any
 
 
-def encode_rows(current, previous, positions, window, ops: RowOps):
+def encode_rows(current, previous, positions, window, ops: RowOps, absolute: bool = False):
     """(head, rows, tail, base): the raw window rows kept (None without a window), the rows of
     `current` to encode and the rows of `previous` they are encoded against (validated
-    arguments; `current` holds the compact rows of a sparse residual)."""
+    arguments; `current` holds the compact rows of a sparse residual). `absolute`: base is
+    None, the rows are encoded on their own (against zero)."""
     head = tail = None
     if window is not None:
         head, current, tail = split_rows(current, window)
         head, tail = ops.own(head), ops.own(tail)
-        if positions is None:
+        if absolute:
+            base = None
+        elif positions is None:
             base = split_rows(previous, window)[1]
         else:
             base = ops.take(previous, split_rows(positions, window)[1])
+    elif absolute:
+        base = None
     else:
         base = previous if positions is None else ops.take(previous, positions)
     return head, current, tail, base
 
 
-def decode_rows(previous, delta, head, tail, positions, window, ops: RowOps):
+def decode_rows(previous, delta, head, tail, positions, window, ops: RowOps, absolute=False):
     """The reconstructed loop: `previous` with the decoded `delta` added on the encoded rows
-    and the window rows replaced by the stored raw ones; rows a sparse residual does not list
-    are `previous`'s, bit for bit."""
+    (`absolute`: the decoded rows themselves, nothing added) and the window rows replaced by
+    the stored raw ones; rows a sparse residual does not list are `previous`'s, bit for
+    bit."""
+
+    def combine(prev_rows, decoded):
+        return decoded if absolute else ops.add(prev_rows, decoded)
+
     if positions is None:
         if window is None:
-            return ops.add(previous, delta)
+            return combine(previous, delta)
+        if absolute:
+            return ops.concat([head, delta, tail])
         _, middle, _ = split_rows(previous, window)
         return ops.concat([head, ops.add(middle, delta), tail])
     if window is None:
-        return ops.put(previous, positions, ops.add(ops.take(previous, positions), delta))
+        return ops.put(previous, positions, combine(ops.take(previous, positions), delta))
     head_pos, mid_pos, tail_pos = split_rows(positions, window)
-    out = ops.put(previous, mid_pos, ops.add(ops.take(previous, mid_pos), delta))
+    out = ops.put(previous, mid_pos, combine(ops.take(previous, mid_pos), delta))
     return ops.put(ops.put(out, head_pos, head), tail_pos, tail)

@@ -100,6 +100,14 @@ def cache_config_for(
     if not policy.quantized:
         raise ValueError(f"policy {policy.name!r} is unquantized: it has no PagedCacheConfig")
     for kind in ("key", "value"):
+        if policy.absolute_loops(kind, num_loops):
+            raise ValueError(
+                f"policy {policy.name!r} stores loops {policy.absolute_loops(kind, num_loops)} "
+                f"of {kind}s absolute; the paged cache stores every later loop as a delta "
+                "against the previous loop's pages (its reconstruction and kernels add them), "
+                "so it has no absolute loops: use encode_loops / decode_loops"
+            )
+    for kind in ("key", "value"):
         if len(set(policy.loop_formats(kind, num_loops)[1:])) > 1:
             raise ValueError(
                 f"policy {policy.name!r} stores the later loops of {kind}s in different "

@@ -5,6 +5,7 @@ with them: deltas and sums are one float32 operation per element (flushed) round
 dtype; rows are moved with numpy indexing (containers only, no numpy arithmetic).
 
     D_l = X_l - R_{l-1};  R_l = R_{l-1} + unpack(pack(D_l))      (input dtype)
+    absolute loop l:      R_l = unpack(pack(X_l))               (on the rows it owns)
 
 A window is anything with integer `sink` and `recent` attributes (e.g. kvq_jax.Window).
 """
@@ -30,12 +31,14 @@ class OracleWindowed:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OracleResidual:
-    """A residual: packed delta of the quantized rows, owned positions, raw window rows."""
+    """A residual: packed delta of the quantized rows (absolute: the rows themselves), owned
+    positions, raw window rows."""
 
     payload: oracle.OraclePacked
     positions: np.ndarray | None
     head: np.ndarray | None
     tail: np.ndarray | None
+    absolute: bool = False
 
 
 def _elementwise(a: np.ndarray, b: np.ndarray, op) -> np.ndarray:
@@ -83,29 +86,41 @@ def unpack_any(enc) -> np.ndarray:
 
 
 def encode_residual(
-    current, previous, *, kind, format, group_size=None, axis=None, positions=None, window=None
+    current,
+    previous,
+    *,
+    kind,
+    format,
+    group_size=None,
+    axis=None,
+    positions=None,
+    window=None,
+    absolute=False,
 ) -> OracleResidual:
-    """Residual of `current` (dense [T,H,D] or compact [N,H,D] rows at `positions`)."""
+    """Residual of `current` (dense [T,H,D] or compact [N,H,D] rows at `positions`);
+    `absolute`: the rows are packed as they are, `previous` is not subtracted."""
     head = tail = None
     rows = np.arange(previous.shape[0]) if positions is None else np.asarray(positions)
     if window is not None:
         head, current, tail = (a.copy() for a in _split(current, window))
         rows = _split(rows, window)[1]
-    delta = subtract(current, previous[rows])
+    delta = current if absolute else subtract(current, previous[rows])
     payload = oracle.pack(delta, format=format, kind=kind, group_size=group_size, axis=axis)
     pos = None if positions is None else np.asarray(positions).copy()
-    return OracleResidual(payload=payload, positions=pos, head=head, tail=tail)
+    return OracleResidual(payload=payload, positions=pos, head=head, tail=tail, absolute=absolute)
 
 
 def decode_residual(res: OracleResidual, previous: np.ndarray, window=None) -> np.ndarray:
-    """previous with the owned rows replaced: raw window rows, or previous + decoded delta."""
+    """previous with the owned rows replaced: raw window rows, or previous + decoded delta
+    (absolute: the decoded rows alone)."""
     out = previous.copy()
     rows = np.arange(previous.shape[0]) if res.positions is None else res.positions
     if window is not None:
         head_rows, rows, tail_rows = _split(rows, window)
         out[head_rows] = res.head
         out[tail_rows] = res.tail
-    out[rows] = add(previous[rows], oracle.unpack(res.payload))
+    decoded = oracle.unpack(res.payload)
+    out[rows] = decoded if res.absolute else add(previous[rows], decoded)
     return out
 
 
@@ -120,12 +135,14 @@ def encode_loops(
     axis=None,
     positions=None,
     window=None,
+    absolute=None,
 ):
     """Loop stack [L, T, H, D] -> (base, [residual per later loop]), closed loop.
 
     residual_format: None (the base's), one name, or one name per later loop. A later loop in
     the base's format takes `group_size` unless `residual_group_size` is given; another
-    format its own default."""
+    format its own default. absolute: None or the later loops (in [1, L)) packed on their own
+    instead of as deltas."""
     n_res = loops.shape[0] - 1
     if residual_format is None or isinstance(residual_format, str):
         formats = [base_format if residual_format is None else residual_format] * n_res
@@ -140,8 +157,13 @@ def encode_loops(
         base = pack_windowed(loops[0], window=window, **base_args)
     recon = unpack_any(base)
     positions = [None] * (loops.shape[0] - 1) if positions is None else list(positions)
+    absolute = set() if absolute is None else set(absolute)
+    if not absolute <= set(range(1, loops.shape[0])):
+        raise ValueError(f"absolute: loops must lie in [1, {loops.shape[0]}), got {absolute}")
     residuals = []
-    for current, pos, fmt in zip(loops[1:], positions, formats, strict=True):
+    for loop, (current, pos, fmt) in enumerate(
+        zip(loops[1:], positions, formats, strict=True), start=1
+    ):
         rows = current if pos is None else current[np.asarray(pos)]
         group = residual_group_size
         if group is None and fmt == base_format:
@@ -155,6 +177,7 @@ def encode_loops(
             axis=axis,
             positions=pos,
             window=window,
+            absolute=loop in absolute,
         )
         recon = decode_residual(res, recon, window)
         residuals.append(res)

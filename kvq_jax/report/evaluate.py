@@ -11,6 +11,7 @@ policy compiles once. Measured (all relative L2, pooled; see `metrics`):
   base / residual   payload errors on the quantized rows (window rows excluded), as in the
                     seed evaluation: base = decoded loop 0 vs loop 0; residual l = decoded
                     delta vs the delta it encodes, X_l - R_{l-1} rounded to the input dtype
+                    (a loop stored absolute: decoded payload vs X_l)
   attention         causal GQA attention with the captured queries, original vs decoded K/V:
                     one error per (layer, query head), pooled over windows, loops, tokens and
                     dim; mean and max over layers and heads (plus the final loop alone)
@@ -69,6 +70,8 @@ class PolicyResult:
     window: tuple[int, int] | None
     k_loop_formats: list[str]
     v_loop_formats: list[str]
+    k_absolute_loops: list[int]
+    v_absolute_loops: list[int]
     bits_per_element: float
     k_bits_per_element: float
     v_bits_per_element: float
@@ -133,7 +136,9 @@ def _stack_sums(stack, kind: str, policy: Policy):
     base = square_sums(stack[0, mid], recon[0, mid])
     payload = [base]
     for i, residual in enumerate(code.residuals):
-        delta = subtract_in_dtype(stack[i + 1, mid], recon[i, mid])
+        delta = stack[i + 1, mid]
+        if not residual.absolute:
+            delta = subtract_in_dtype(delta, recon[i, mid])
         payload.append(square_sums(delta, unpack_kv(residual.payload)))
     payload_err = jnp.stack([p[0] for p in payload])
     payload_ref = jnp.stack([p[1] for p in payload])
@@ -201,6 +206,8 @@ def _reference_row(policy: Policy, capture: Capture, num_elements: int) -> Polic
         window=_window_tuple(policy),
         k_loop_formats=["bf16"] * loops,
         v_loop_formats=["bf16"] * loops,
+        k_absolute_loops=[],
+        v_absolute_loops=[],
         bits_per_element=bits,
         k_bits_per_element=bits,
         v_bits_per_element=bits,
@@ -286,6 +293,8 @@ def _row(
         window=_window_tuple(policy),
         k_loop_formats=list(policy.loop_formats("key", num_loops)),
         v_loop_formats=list(policy.loop_formats("value", num_loops)),
+        k_absolute_loops=list(policy.absolute_loops("key", num_loops)),
+        v_absolute_loops=list(policy.absolute_loops("value", num_loops)),
         bits_per_element=8.0 * (k_bytes + v_bytes) / (2 * num_elements),
         k_bits_per_element=8.0 * k_bytes / num_elements,
         v_bits_per_element=8.0 * v_bytes / num_elements,

@@ -125,7 +125,8 @@ LEGEND = (
     "  64 queries of each window attending as in decode: the window rows relative to each\n"
     "  query raw (first 4, its own 16 newest) for +win policies, every other row decoded.\n"
     "K/V base, res: payload errors on the quantized rows: loop 0, and the last residual\n"
-    "  (decoded delta vs X_l - R_(l-1)). +win keeps the first 4 and last 16 tokens in bf16."
+    "  (decoded delta vs X_l - R_(l-1); a loop stored absolute: vs X_l). +win keeps the\n"
+    "  first 4 and last 16 tokens in bf16."
 )
 
 

@@ -2,7 +2,8 @@
 codec reached through the DLPack bridge. Both code one [T, H, D] tensor per call with the
 semantics of `encode_loops`: loop 0 packed whole in the base format, loop l >= 1 a residual
 against the reconstructed loop l - 1 in that loop's format (`Policy.stream`: K and V may
-differ, and so may the loops), the policy's BF16 window kept raw in every loop.
+differ, and so may the loops), or packed on its own where the policy stores loop l absolute,
+the policy's BF16 window kept raw in every loop.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ class TorchLoopCoder:
     ) -> torch.Tensor:
         fmt, group = policy.stream(kind, loop)
         code = encode_residual(
-            x, previous, kind=kind, format=fmt, group_size=group, window=policy.window
+            x,
+            previous,
+            kind=kind,
+            format=fmt,
+            group_size=group,
+            window=policy.window,
+            absolute=loop in policy.absolute_loops(kind, loop + 1),
         )
         return decode_residual(code, previous)
 
@@ -79,7 +86,13 @@ class JaxLoopCoder:
         fmt, group = policy.stream(kind, loop)
         prev = self._to_jax(previous)
         code = kvq_jax.encode_residual(
-            self._to_jax(x), prev, kind=kind, format=fmt, group_size=group, window=policy.window
+            self._to_jax(x),
+            prev,
+            kind=kind,
+            format=fmt,
+            group_size=group,
+            window=policy.window,
+            absolute=loop in policy.absolute_loops(kind, loop + 1),
         )
         return self._to_torch(kvq_jax.decode_residual(code, prev))
 
