@@ -6,10 +6,11 @@ Input: bf16 [L=4, T=2048, H=16, D=128], a KV-like loop 0 and each later loop the
 a perturbation (so residuals are small, as in a looped LM). For each policy (base format +
 residual format) and kind: `encode_loops` (the whole stack, one jitted call, dense loops as a
 `lax.scan`) and `decode_loop(loop=3)` (the last loop, rebuilt through every residual) are
-timed as the median of N runs after a warm-up, and `decode_loop(loop=0)` (the base alone) beside
-it: "x loop 0" is the loop-3 decode time over the loop-0 one (issue 15's goal: <= 2.5). GB/s counts the bf16 bytes of the stack for
-encode and of the one reconstructed loop for decode; "x copy" divides by a jitted copy of the
-same bytes in the same process. Reconstruction error of every loop is printed as well.
+timed as the median of N runs after a warm-up, and `decode_loop(loop=0)` (the base alone)
+beside it: "x loop 0" is the loop-3 decode time over the loop-0 one (issue 15's goal: <= 2.5).
+GB/s counts the bf16 bytes of the stack for encode and of the one reconstructed loop for
+decode; "x copy" divides by a jitted copy of the same bytes in the same process. The
+reconstruction error of every loop is printed as well.
 """
 
 from __future__ import annotations

@@ -50,14 +50,14 @@ def _flat_ok(packed) -> bool:
 
 def _take(plane, pages, flat: bool):
     """Pages `pages` of a stored plane (batch shape (P,)) with its format's dtypes
-    (`codec_view`). flat: one PackedKV of N * page_size rows (NVFP4's global scale as
-    [R, 1, 1] against its R block-scale rows per page), else a batch of N pages."""
-    view = codec_view(plane)
-    n = pages.shape[0]
-    ps, h, d = view.shape
+    (`codec_view`, after the take: never a pass over the pool). flat: one PackedKV of
+    N * page_size rows (NVFP4's global scale as [R, 1, 1] against its R block-scale rows per
+    page), else a batch of N pages."""
     if not flat:
-        return dataclasses.replace(view, **_taken(_take_pages, view.arrays, pages))
-    rows = view.arrays["block_scale"].shape[1] if "block_scale" in view.arrays else 0
+        return codec_view(dataclasses.replace(plane, **_taken(_take_pages, plane.arrays, pages)))
+    n = pages.shape[0]
+    ps, h, d = plane.shape
+    rows = plane.arrays["block_scale"].shape[1] if "block_scale" in plane.arrays else 0
 
     def take(arrays, pages):
         out = {}
@@ -68,7 +68,8 @@ def _take(plane, pages, flat: bool):
                 out[name] = a.reshape(n * a.shape[1], *a.shape[2:])
         return out
 
-    return dataclasses.replace(view, shape=(n * ps, h, d), **_taken(take, view.arrays, pages))
+    taken = _taken(take, plane.arrays, pages)
+    return codec_view(dataclasses.replace(plane, shape=(n * ps, h, d), **taken))
 
 
 def _take_pages(arrays: dict, pages) -> dict:
