@@ -6,9 +6,11 @@ Input: bf16 [L=4, T=2048, H=16, D=128], a KV-like loop 0 and each later loop the
 a perturbation (so residuals are small, as in a looped LM). For each policy (base format +
 residual format) and kind: `encode_loops` (the whole stack, one jitted call, dense loops as a
 `lax.scan`) and `decode_loop(loop=3)` (the last loop, rebuilt through every residual) are
-timed as the median of N runs after a warm-up. GB/s counts the bf16 bytes of the stack for
-encode and of the one reconstructed loop for decode; "x copy" divides by a jitted copy of the
-same bytes in the same process. Reconstruction error of every loop is printed as well.
+timed as the median of N runs after a warm-up, and `decode_loop(loop=0)` (the base alone)
+beside it: "x loop 0" is the loop-3 decode time over the loop-0 one (issue 15's goal: <= 2.5).
+GB/s counts the bf16 bytes of the stack for encode and of the one reconstructed loop for
+decode; "x copy" divides by a jitted copy of the same bytes in the same process. The
+reconstruction error of every loop is printed as well.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ COLUMNS = (
     ("ms", "ms", ".3f"),
     ("gbps", "GB/s", ".2f"),
     ("x_copy", "x copy", ".2f"),
+    ("x_loop0", "x loop 0", ".2f"),
     ("bits_per_element", "bits/elem", ".4f"),
     ("errors", "rel L2 per loop", None),
 )
@@ -98,6 +101,12 @@ def bench(*, warmup: int, repeats: int) -> list[dict]:
             errors = relative_errors(kvq_jax.decode_loops(code), loops)
             enc = _timing.median_time(encode, loops, warmup=warmup, repeats=repeats)
             dec = _timing.median_time(decode, code, warmup=warmup, repeats=repeats)
+            dec0 = _timing.median_time(
+                functools.partial(kvq_jax.decode_loop, loop=0),
+                code,
+                warmup=warmup,
+                repeats=repeats,
+            )
             common = {
                 "policy": f"{base_format}+{residual_format}",
                 "kind": kind,
@@ -116,10 +125,20 @@ def bench(*, warmup: int, repeats: int) -> list[dict]:
             rows.append(
                 {
                     **common,
+                    "op": "decode_loop(0)",
+                    "ms": dec0.median_ms,
+                    "gbps": _timing.gbps(loop_bytes, dec0.median_s),
+                    "x_copy": dec0.median_s / copy_loop.median_s,
+                }
+            )
+            rows.append(
+                {
+                    **common,
                     "op": f"decode_loop({last})",
                     "ms": dec.median_ms,
                     "gbps": _timing.gbps(loop_bytes, dec.median_s),
                     "x_copy": dec.median_s / copy_loop.median_s,
+                    "x_loop0": dec.median_s / dec0.median_s,
                 }
             )
     return rows

@@ -174,6 +174,43 @@ class TestXLA(ReconstructBase):
     backend = "xla"
 
 
+@pytest.mark.parametrize("spec", arg_specs.TEST_SPECS[:2], ids=SPEC_IDS[:2])
+def test_xla_page_batch_path(spec, monkeypatch):
+    """The XLA path decodes the taken pages as one tensor of N * page_size rows where the
+    format allows it; its per-page (vmap) fallback gives the reference's bytes as well."""
+    monkeypatch.setattr(page_reconstruct_xla, "_flat_ok", lambda packed: False)
+    cache = filled(spec)
+    for kind in arg_specs.KINDS:
+        base, delta = (
+            (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
+        )
+        for loop in range(spec.num_loops):
+            got = jax.jit(functools.partial(page_reconstruct_xla.decode_pages, loop=loop))(
+                base, delta, jnp.asarray(PAGES)
+            )
+            assert_same_values(got, reference(spec, kind, loop), f"page batch {kind} {loop}")
+
+
+def test_xla_decode_fusion_reads_taken_pages():
+    """On XLA:CPU the pages are taken (gathered) outside the decode chain: no computation of
+    the compiled loop-2 reconstruction both gathers and computes bf16 values (a page gather
+    fused into the chain is evaluated per element there, 5-10x slower per loop)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the materialized take is an XLA:CPU choice")
+    spec = arg_specs.TEST_SPECS[0]
+    assert spec.dtype == "bfloat16"
+    text = (
+        jax.jit(lambda c, p: decode_pages(c, "key", p, loop=2, backend="xla"))
+        .lower(filled(spec), jnp.asarray(PAGES))
+        .compile()
+        .as_text()
+    )
+    blocks = text.split("\n\n")
+    assert any(" gather(" in b for b in blocks)
+    mixed = [b for b in blocks if " gather(" in b and "bf16[" in b and "ENTRY" not in b]
+    assert not mixed, mixed[0]
+
+
 def _skip_last_residual(base, delta, pages, *, loop, depth=None):
     """A planted defect in the XLA path: one residual step too few."""
     return _XLA_DECODE(base, delta, pages, loop=max(loop - 1, 0), depth=depth)

@@ -1,19 +1,79 @@
 """The XLA reference of page reconstruction: loop l of physical pages through the residual
-chain, every intermediate loop materialized (the kernel keeps them in registers)."""
+chain (the kernel keeps every loop in registers; here XLA fuses the chain into one loop).
+
+Pages are taken from the stored planes first, as whole pages, and, where the format allows,
+decoded as one tensor of N * page_size rows (no per-page `vmap`): the same element-wise
+arithmetic on the same operands, so the same bytes. On XLA:CPU the taken pages are
+materialized before the decode: a page gather fused into the decode chain is evaluated per
+element (measured 5-10x slower per residual loop, see docs/research/issue15).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from kvq_jax._numerics import add_in_dtype
 from kvq_jax.api import unpack_kv
 from kvq_jax.cache_state import codec_view
-from kvq_jax.residual import KVResidual, decode_residual
 
 
-def _take(packed, *index):
-    """Pages `index` of a stored plane, with its format's dtypes (`codec_view`)."""
-    return codec_view(jax.tree.map(lambda a: a[index], packed))
+def _taken(take, arrays: dict, pages) -> dict:
+    """`take(arrays, pages)` (a gather of whole pages), materialized on XLA:CPU.
+
+    XLA:CPU drops optimization barriers before fusion, and a gather fused into the decode
+    chain is evaluated per element; it never fuses across a conditional, so there the gather
+    runs in both branches of one (the same computation: the predicate, a page id that is
+    never constant-folded, does not matter). Other platforms take it as it is (a conditional
+    would cost them a host round trip for the predicate).
+    """
+
+    def cpu(arrays, pages):
+        return lax.cond(pages[0] > 0, take, take, arrays, pages)
+
+    if pages.shape[0] == 0:
+        return take(arrays, pages)
+    return lax.platform_dependent(arrays, pages, cpu=cpu, default=take)
+
+
+def _flat_ok(packed) -> bool:
+    """Pages of `packed` decode as one stacked tensor of N * page_size rows: token groups never
+    straddle pages, and the only per-page scalar is NVFP4's global scale (which broadcasts
+    against its block rows)."""
+    if packed.axis == "tokens" and packed.shape[0] % packed.group_size:
+        return False
+    return packed.format == "nvfp4" or all(a.ndim > 1 for a in packed.arrays.values())
+
+
+def _take(plane, pages, flat: bool):
+    """Pages `pages` of a stored plane (batch shape (P,)) with its format's dtypes
+    (`codec_view`, after the take: never a pass over the pool). flat: one PackedKV of
+    N * page_size rows (NVFP4's global scale as [R, 1, 1] against its R block-scale rows per
+    page), else a batch of N pages."""
+    if not flat:
+        return codec_view(dataclasses.replace(plane, **_taken(_take_pages, plane.arrays, pages)))
+    n = pages.shape[0]
+    ps, h, d = plane.shape
+    rows = plane.arrays["block_scale"].shape[1] if "block_scale" in plane.arrays else 0
+
+    def take(arrays, pages):
+        out = {}
+        for name, a in _take_pages(arrays, pages).items():
+            if a.ndim == 1:  # NVFP4's per-page global scale, repeated along its block rows
+                out[name] = jnp.broadcast_to(a[:, None], (n, rows)).reshape(n * rows, 1, 1)
+            else:
+                out[name] = a.reshape(n * a.shape[1], *a.shape[2:])
+        return out
+
+    taken = _taken(take, plane.arrays, pages)
+    return codec_view(dataclasses.replace(plane, shape=(n * ps, h, d), **taken))
+
+
+def _take_pages(arrays: dict, pages) -> dict:
+    return {k: a[pages] for k, a in arrays.items()}
 
 
 def decode_pages(base, delta, pages, *, loop: int, depth=None) -> jnp.ndarray:
@@ -26,11 +86,17 @@ def decode_pages(base, delta, pages, *, loop: int, depth=None) -> jnp.ndarray:
     depth: uint8 [P, page_size] or None (adaptive exits): a row keeps loop depth[row] once
     loop > depth[row] (the deltas of later loops are skipped).
     """
-    recon = jax.vmap(unpack_kv)(_take(base, pages))
-    rows = None if depth is None else depth[pages][:, :, None, None]
+    n = pages.shape[0]
+    ps, h, d = base.shape
+    flat = _flat_ok(base) and (loop == 0 or _flat_ok(delta))
+    rows = None
+    if depth is not None:  # [N * page_size, 1, 1] or [N, page_size, 1, 1]
+        rows = depth[pages].reshape((n * ps,) if flat else (n, ps))[..., None, None]
+    decode = unpack_kv if flat else jax.vmap(unpack_kv)
+    recon = decode(_take(base, pages, flat))
     for r in range(loop):
-        step = jax.vmap(
-            lambda p, prev: decode_residual(KVResidual(payload=p, shape=prev.shape), prev)
-        )(_take(delta, r, pages), recon)
+        plane = jax.tree.map(lambda a, r=r: a[r], delta)
+        # A dense residual without a window adds its decoded delta (`decode_residual`).
+        step = add_in_dtype(recon, decode(_take(plane, pages, flat)))
         recon = step if rows is None else jnp.where(rows >= r + 1, step, recon)
-    return recon
+    return recon.reshape(n, ps, h, d)
