@@ -78,17 +78,29 @@ def test_division_path_rejects_unknown_paths():
         pass
 
 
-def _check(x, fmt, kind, path, what):
-    codec = get_codec(fmt)
-    axis, g = codec.resolve(x.shape, kind, None, G4 if fmt == "int4" else None)
-    expected = oracle.pack(x, format=fmt, kind=kind, group_size=g, axis=axis)
-    with _numerics.division_path(path):  # fresh jitted functions: traced on this path
-        packed = jax.jit(functools.partial(codec.pack, kind=kind, axis=axis, group_size=g))(
-            jnp.asarray(x)
-        )
-        decoded = jax.jit(functools.partial(codec.unpack, dtype=np.dtype(F32)))(packed)
-    assert_packed_equal(packed, expected.arrays, what)
-    assert_same_values(decoded, oracle.unpack(expected, F32), what + " decoded")
+class _Codec:
+    """`fmt`'s jitted pack / unpack traced on division path `path`: one trace per input
+    shape and dtype (the path is read at trace time, so these functions are fresh per test)."""
+
+    def __init__(self, fmt, kind, path):
+        self.codec, self.fmt, self.kind, self.path = get_codec(fmt), fmt, kind, path
+        self.jitted = {}
+
+    def check(self, x, what):
+        codec, fmt, kind = self.codec, self.fmt, self.kind
+        axis, g = codec.resolve(x.shape, kind, None, G4 if fmt == "int4" else None)
+        expected = oracle.pack(x, format=fmt, kind=kind, group_size=g, axis=axis)
+        key = (x.shape, x.dtype, axis, g)
+        if key not in self.jitted:
+            pack = functools.partial(codec.pack, kind=kind, axis=axis, group_size=g)
+            unpack = functools.partial(codec.unpack, dtype=np.dtype(F32))
+            self.jitted[key] = (jax.jit(pack), jax.jit(unpack))
+        pack, unpack = self.jitted[key]
+        with _numerics.division_path(self.path):
+            packed = pack(jnp.asarray(x))
+            decoded = unpack(packed)
+        assert_packed_equal(packed, expected.arrays, what)
+        assert_same_values(decoded, oracle.unpack(expected, F32), what + " decoded")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -96,9 +108,10 @@ def _check(x, fmt, kind, path, what):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_codecs_match_the_oracle_on_each_path(fmt, kind, path):
     rng = np.random.default_rng(7)
+    codec = _Codec(fmt, kind, path)
     for dtype in (BF16, F32):
-        _check(mixed_values(rng, SHAPE, dtype), fmt, kind, path, f"{fmt} {kind} {dtype} mixed")
+        codec.check(mixed_values(rng, SHAPE, dtype), f"{fmt} {kind} {dtype} mixed")
     for name, (build, dtypes) in EDGE_CASES[fmt].items():
         dtype = BF16 if BF16 in dtypes else dtypes[0]
         for i, x in enumerate(build(dtype, AXIS_OF[kind])):
-            _check(np.asarray(x), fmt, kind, path, f"{fmt} {kind} {name} #{i} ({path})")
+            codec.check(np.asarray(x), f"{fmt} {kind} {name} #{i} ({path})")

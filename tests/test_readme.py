@@ -1,5 +1,6 @@
-"""The README's promises: its test command is what CI runs, its quickstart runs as printed,
-and the main job prints its table."""
+"""The README's promises: its test command is what CI runs and its quickstart runs as printed.
+(The main job, `kvq report` on the embedded capture, is run and its table checked by
+`tests/test_report.py::test_default_run_on_the_embedded_capture`.)"""
 
 from __future__ import annotations
 
@@ -42,20 +43,6 @@ def test_python_examples_run_and_their_comments_are_true(capsys):
     assert printed == expected
     assert namespace["recon"].shape == (4, 2048, 16, 128)
     assert namespace["j_packed"].format == "int4"
-
-
-def test_main_job_prints_every_policy(capsys):
-    from kvq_jax import cli
-    from kvq_jax.core.policies import POLICIES
-    from kvq_jax.report.capture import EMBEDDED_PATH
-
-    if not EMBEDDED_PATH.exists():
-        pytest.skip(f"the embedded capture {EMBEDDED_PATH.name} is not in this checkout yet")
-    assert cli.main(["report", "--no-progress"]) == 0
-    out = capsys.readouterr().out
-    rows = [s for s in (line.split() for line in out.splitlines()) if s and s[0] in POLICIES]
-    assert [r[0] for r in rows] == list(POLICIES)
-    assert rows[0][1:] == ["16.000"] + ["0.000%"] * 9
 
 
 @pytest.mark.parametrize("argv", [["demo", "--repeats", "1"]])
