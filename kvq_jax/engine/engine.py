@@ -172,8 +172,9 @@ def _raw_read(store: RawPagedStore, tables, seq_ids, loop):
     num_pages = store.k.shape[1]
     rows = jnp.clip(tables.at[seq_ids].get(mode="fill", fill_value=0), 0, num_pages - 1)
     b = rows.shape[0]
-    k = store.k[loop][rows].reshape(b, -1, *store.k.shape[-2:])
-    v = store.v[loop][rows].reshape(b, -1, *store.v.shape[-2:])
+    # One gather at (loop, rows): store.k[loop][rows] would first copy the loop's whole plane.
+    k = store.k[loop, rows].reshape(b, -1, *store.k.shape[-2:])
+    v = store.v[loop, rows].reshape(b, -1, *store.v.shape[-2:])
     return k, v
 
 
