@@ -2,6 +2,7 @@
 
     t = median_time(fn, x, warmup=3, repeats=20)     # seconds, results blocked on
     t = median_time(fn, x, repeats=20, budget_s=2.0) # ... at most ~2 s of timed calls
+    ts = interleaved_times({"a": f, "b": g})          # rounds of a, b: steadier ratios
     copy = copy_baseline(x)                          # a jitted copy XLA cannot elide
     print_table(rows, COLUMNS)
 
@@ -65,6 +66,24 @@ def median_time(
         if budget_s is not None and len(times) >= min(3, repeats) and sum(times) >= budget_s:
             break
     return Timing(statistics.median(times), min(times), tuple(times))
+
+
+def interleaved_times(fns: dict[str, Callable], *, warmup: int = 3, repeats: int = 20):
+    """{name: Timing} of several zero-argument functions timed in rounds (each round calls
+    every function once, in order): a load that changes during the run hits them alike, so
+    their ratios are steadier than those of one `median_time` after another."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for fn in fns.values():
+        for _ in range(max(warmup, 1)):
+            jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {n: Timing(statistics.median(t), min(t), tuple(t)) for n, t in times.items()}
 
 
 def copy_baseline(x: jax.Array) -> tuple[Callable, tuple]:

@@ -22,7 +22,7 @@ loop plane, staging and sink rows), timed as
   save/load  `save_sequence` / `load_sequence` (safetensors, checksummed, page cache warm),
   copy       plain copies of the same bytes as one array: device -> a new host array (the
              reference of swap out and save) and host -> device (of swap in and load);
-             "of copy" = copy time / op time.
+             "of copy" = copy time / op time (the four timed in interleaved rounds).
 """
 
 from __future__ import annotations
@@ -201,9 +201,7 @@ def _swap_rows(fmt, n, warmup, repeats) -> list[dict]:
         "swap out": lambda: swap_out(box[0], slot=slot, pages=pages),
         "swap in": swap_back,
     }
-    times = {
-        op: _timing.median_time(fn, warmup=warmup, repeats=repeats) for op, fn in timed.items()
-    }
+    times = _timing.interleaved_times(timed, warmup=warmup, repeats=repeats)
     with tempfile.TemporaryDirectory() as d:
         path = pathlib.Path(d) / "seq.safetensors"
         times["save"] = _timing.median_time(
