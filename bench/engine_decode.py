@@ -5,12 +5,14 @@ and cache work, against batch, context, loops and pool size.
         [--dtype float32] [--layers N] [--batch 1,8] [--context 512,1024] [--loops 1,4]
         [--policies bf16,int4-g64+win,nvfp4,mixed] [--pool-factors 1,4] [--page-size 64]
 
-Per (loops, batch B, context T, pool factor F, policy): an engine whose pool holds F x the
+Per (loops, batch B, context T, pool factor F), for every policy: an engine whose pool holds F x the
 pages B sequences of T + 1 tokens need, every layer's cache filled with random bytes of the
 right types (finite metadata; prefilling B x T tokens through the model would take minutes
 on a CPU, and the time of a step does not depend on the values) and every sequence's
 length set to T. Timed, median of N calls, each blocked until ready, the caches donated
-from call to call as the engine does:
+from call to call as the engine does; the policies' step and cache functions of one shape are
+timed in interleaved rounds (each round calls every one once: a changing load hits them
+alike):
 
   step    the engine's jitted decode step (`engine._decode`): one token per sequence through
           every loop and layer (projections, RoPE, MLP, final norm, logits, and per loop and
@@ -126,7 +128,8 @@ def cache_work(caches, q, k, v, positions, tables, *, config, backend):
     return total, tuple(caches)
 
 
-def measure(model, policy, *, loops, batch, context, pool_factor, page_size, timing) -> dict:
+def prepare(model, policy, *, loops, batch, context, pool_factor, page_size):
+    """(row of sizes, step function, cache-work function) of one policy and shape."""
     pages_per_seq = -(-(context + 1) // page_size)
     engine = Engine(
         model, policy, num_pages=pool_factor * batch * pages_per_seq, page_size=page_size,
@@ -140,8 +143,11 @@ def measure(model, policy, *, loops, batch, context, pool_factor, page_size, tim
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, batch), jnp.int32)
     positions = jnp.full((batch,), context, jnp.int32)
-
-    box = [engine.caches]
+    h, d, hq = config.num_kv_heads, config.head_dim, config.num_heads
+    q = jnp.asarray(rng.standard_normal((batch, hq, d)), engine.dtype)
+    k = jnp.asarray(rng.standard_normal((batch, 1, h, d)), engine.dtype)
+    v = jnp.asarray(rng.standard_normal((batch, 1, h, d)), engine.dtype)
+    box = [engine.caches]  # donated from call to call
 
     def step():
         logits, _, box[0] = engine_mod._decode(
@@ -149,32 +155,43 @@ def measure(model, policy, *, loops, batch, context, pool_factor, page_size, tim
         )
         return logits
 
-    step_t = _timing.median_time(step, **timing)
-    h, d, hq = config.num_kv_heads, config.head_dim, config.num_heads
-    q = jnp.asarray(rng.standard_normal((batch, hq, d)), engine.dtype)
-    k = jnp.asarray(rng.standard_normal((batch, 1, h, d)), engine.dtype)
-    v = jnp.asarray(rng.standard_normal((batch, 1, h, d)), engine.dtype)
-
     def cache_only():
         total, box[0] = cache_work(box[0], q, k, v, positions, tables, config=config,
                                    backend=backend)  # fmt: skip
         return total
 
-    cache_t = _timing.median_time(cache_only, **timing)
-    return {
+    row = {
         "loops": loops,
         "batch": batch,
         "context": context,
         "pool_factor": pool_factor,
         "pool_pages": engine.allocator.num_pages,
         "policy": policy,
-        "ms": step_t.median_ms,
-        "cache_ms": cache_t.median_ms,
-        "model_ms": step_t.median_ms - cache_t.median_ms,
-        "tokens_s": batch / step_t.median_s,
         "kv_bytes": engine.kv_bytes_per_token(),
         "kv_ratio": engine.kv_bytes_per_token() / engine.bf16_bytes_per_token(),
     }
+    return row, step, cache_only
+
+
+def measure_shape(model, policies, *, timing, **shape) -> list[dict]:
+    """Every policy at one shape, timed in interleaved rounds (`_timing.interleaved_times`:
+    each round runs every policy's step and cache work once), so that a changing load hits
+    all of them alike."""
+    rows, fns = [], {}
+    for policy in policies:
+        row, step, cache_only = prepare(model, policy, **shape)
+        rows.append(row)
+        fns[(policy, "step")], fns[(policy, "cache")] = step, cache_only
+    times = _timing.interleaved_times(fns, **timing)
+    for row in rows:
+        step_t, cache_t = times[(row["policy"], "step")], times[(row["policy"], "cache")]
+        row.update(
+            ms=step_t.median_ms,
+            cache_ms=cache_t.median_ms,
+            model_ms=step_t.median_ms - cache_t.median_ms,
+            tokens_s=row["batch"] / step_t.median_s,
+        )
+    return rows
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
@@ -218,13 +235,13 @@ def main(argv=None) -> int:
         for batch in batches:
             for context in contexts:
                 for factor in factors:
-                    for policy in args.policies.split(","):
-                        row = measure(model, policy, loops=loops, batch=batch,
-                                      context=context, pool_factor=factor,
-                                      page_size=args.page_size, timing=timing)  # fmt: skip
-                        print(f"  {policy} loops={loops} B={batch} T={context} F={factor}: "
-                              f"{row['ms']:.2f} ms", flush=True)  # fmt: skip
-                        rows.append(row)
+                    got = measure_shape(model, args.policies.split(","), timing=timing,
+                                        loops=loops, batch=batch, context=context,
+                                        pool_factor=factor, page_size=args.page_size)  # fmt: skip
+                    for row in got:
+                        print(f"  {row['policy']} loops={loops} B={batch} T={context} "
+                              f"F={factor}: {row['ms']:.2f} ms", flush=True)  # fmt: skip
+                    rows += got
     c = model.config
     header = (
         f"Engine decode step ({args.model}, {args.dtype}, {c.num_layers} layers"
