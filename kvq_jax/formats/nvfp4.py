@@ -11,7 +11,7 @@ import numpy as np
 from kvq_jax import _grouping, _nibbles
 from kvq_jax._numerics import (
     divide,
-    e2m1_decode,
+    e2m1_decode_xla,
     e2m1_encode,
     flush_subnormal,
     widen,
@@ -117,7 +117,7 @@ class NVFP4Codec(NVFP4Layout, Codec):
         sf = packed.block_scale.astype(jnp.float32)
         g = flush_subnormal(packed.global_scale)  # a hand-made scale may be subnormal
         step = flush_subnormal(divide(sf, g, fuse=False))
-        out = flush_subnormal(e2m1_decode(layout.split(codes, 0)) * layout.expand(step))
+        out = flush_subnormal(e2m1_decode_xla(layout.split(codes, 0)) * layout.expand(step))
         return layout.merge(out).astype(dtype)
 
 
