@@ -11,6 +11,7 @@ import numpy as np
 from kvq_jax import _grouping, _nibbles
 from kvq_jax._numerics import (
     divide,
+    e2m1_decode,
     e2m1_decode_xla,
     e2m1_encode,
     flush_subnormal,
@@ -111,13 +112,18 @@ class NVFP4Codec(NVFP4Layout, Codec):
             dtype=values.dtype,
         )
 
-    def unpack(self, packed, dtype) -> jnp.ndarray:
+    def unpack(self, packed, dtype, *, decode=None) -> jnp.ndarray:
+        """decode: the E2M1 decoder (same bits either way). The default is the table on CPU;
+        `decode_residual` passes the arithmetic `e2m1_decode`: fused into an INT4 residual
+        chain, the table gather made `decode_loop(3)` of int4+nvfp4 3.5x slower on XLA:CPU
+        (docs/research/issue15/README.md)."""
+        decode = e2m1_decode_xla if decode is None else decode
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
         codes = _nibbles.unpack_nibbles(packed.codes, packed.shape[2])
         sf = packed.block_scale.astype(jnp.float32)
         g = flush_subnormal(packed.global_scale)  # a hand-made scale may be subnormal
         step = flush_subnormal(divide(sf, g, fuse=False))
-        out = flush_subnormal(e2m1_decode_xla(layout.split(codes, 0)) * layout.expand(step))
+        out = flush_subnormal(decode(layout.split(codes, 0)) * layout.expand(step))
         return layout.merge(out).astype(dtype)
 
 

@@ -44,11 +44,13 @@ def variants(make, args):
     out = {}
     for name, dec in (("arith", nm.e2m1_decode), ("table", nm.e2m1_decode_xla)):
         nvfp4.e2m1_decode_xla = dec
+        jax.clear_caches()  # unpack_kv is itself jitted: its trace would be reused
         try:
             f = make()
             out[name] = (tmin(f, *args), np.asarray(f(*args)))
         finally:
             nvfp4.e2m1_decode_xla = nm.e2m1_decode_xla
+            jax.clear_caches()
     same = np.array_equal(out["arith"][1].view(np.uint16), out["table"][1].view(np.uint16))
     return out["arith"][0], out["table"][0], same
 
@@ -59,6 +61,7 @@ def main():
     for base, res in (("nvfp4", "nvfp4"), ("int4", "nvfp4"), ("nvfp4", "int4")):
         for kind in ("key", "value"):
             code = kvq_jax.encode_loops(loops, kind=kind, base_format=base, residual_format=res)
+            print(f"  base {code.base.format} axis {code.base.axis} G {code.base.group_size}")
             for loop in (0, 3):
                 a, t, s = variants(
                     lambda loop=loop: jax.jit(functools.partial(kvq_jax.decode_loop, loop=loop)),
