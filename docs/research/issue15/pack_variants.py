@@ -29,6 +29,16 @@ from kvq_jax.formats import int4, nvfp4  # noqa: E402
 IDENT = lambda x: x  # noqa: E731
 
 
+def finite_bits(raw, axis=None, keepdims=False):
+    """all finite (no inf/NaN) by an integer max of |bits|: exact, any float dtype."""
+    info = jnp.finfo(raw.dtype)
+    ut = {2: jnp.uint16, 4: jnp.uint32}[raw.dtype.itemsize]
+    bits = lax.bitcast_convert_type(raw, ut)
+    sign = 1 << (8 * raw.dtype.itemsize - 1)
+    inf = int(np.asarray(info.max, raw.dtype).reshape(1).view({2: np.uint16, 4: np.uint32}[raw.dtype.itemsize])[0]) + 1
+    return jnp.max(bits & ut(sign - 1), axis=axis, keepdims=keepdims) < ut(inf)
+
+
 def plain_div(a, b):
     return jnp.asarray(a, jnp.float32) / jnp.asarray(b, jnp.float32)
 
@@ -43,7 +53,10 @@ def int4_pack(values, *, axis, group_size, ftz=True, div="exact", finite=True, z
     raw, m = layout.split_edge(values), layout.member_axis
     mn = fl(jnp.min(raw, axis=m, keepdims=True).astype(jnp.float32))
     mx = fl(jnp.max(raw, axis=m, keepdims=True).astype(jnp.float32))
-    fin = jnp.all(jnp.isfinite(raw), axis=m, keepdims=True) if finite else True
+    if finite == "bits":
+        fin = finite_bits(raw, m, True)
+    else:
+        fin = jnp.all(jnp.isfinite(raw), axis=m, keepdims=True) if finite else True
     xg = layout.split(fl(values.astype(jnp.float32)), 0.0)
     if zero_min:
         mn = jnp.where(mn == 0, jnp.float32(0.0), mn)
@@ -65,11 +78,23 @@ def nvfp4_pack(values, *, axis, ftz=True, div="exact", finite=True, fallback=Tru
     exact = div == "exact"
     d_group = functools.partial(nm.divide, fuse=False) if exact else plain_div
     layout = _grouping.GroupLayout(values.shape, axis, 16)
-    fin = nvfp4.all_finite(values) if finite else True
+    if finite == "bits":
+        fin = finite_bits(values)
+    else:
+        fin = nvfp4.all_finite(values) if finite else True
     raw, m = layout.split(values, 0), layout.member_axis
-    mn = fl(jnp.min(raw, axis=m, keepdims=True).astype(jnp.float32))
-    mx = fl(jnp.max(raw, axis=m, keepdims=True).astype(jnp.float32))
-    vmax = jnp.abs(jnp.maximum(mx, -mn))
+    if finite == "amax_bits":  # one integer max of |bits| per block: max |x| and finiteness
+        ut = {2: jnp.uint16, 4: jnp.uint32}[values.dtype.itemsize]
+        sign = 1 << (8 * values.dtype.itemsize - 1)
+        inf = int(np.asarray(jnp.finfo(values.dtype).max, values.dtype).reshape(1).view(
+            {2: np.uint16, 4: np.uint32}[values.dtype.itemsize])[0]) + 1
+        mb = jnp.max(lax.bitcast_convert_type(raw, ut) & ut(sign - 1), axis=m, keepdims=True)
+        fin = jnp.max(mb) < ut(inf)
+        vmax = fl(lax.bitcast_convert_type(mb, values.dtype).astype(jnp.float32))
+    else:
+        mn = fl(jnp.min(raw, axis=m, keepdims=True).astype(jnp.float32))
+        mx = fl(jnp.max(raw, axis=m, keepdims=True).astype(jnp.float32))
+        vmax = jnp.abs(jnp.maximum(mx, -mn))
     amax = jnp.max(vmax, initial=jnp.float32(0.0))
     g = jnp.where(amax == 0, 1.0, d_group(2688.0, amax))
     g = jnp.where(jnp.isinf(g), jnp.finfo(jnp.float32).max, g)
@@ -189,6 +214,7 @@ def main():
             ("- FTZ (no flush anywhere)", {"ftz": False}),
             ("- finite check (NaN/inf groups)", {"finite": False}),
             ("- zero-min fix", {"zero_min": False}),
+            ("finite check by integer max of |bits| (exact)", {"finite": "bits"}),
             ("- all of the above", dict(div="plain", ftz=False, finite=False, zero_min=False)),
         ):
             row(lab, jax.jit(functools.partial(int4_pack, axis=ax, group_size=gs, **kw)), (x,), ref)
@@ -208,6 +234,9 @@ def main():
             ("- FTZ", {"ftz": False}),
             ("- finite check", {"finite": False}),
             ("- tiny-scale fallback cond", {"fallback": False}),
+            ("finite check by integer max of |bits| (exact)", {"finite": "bits"}),
+            ("max |x| and finite by one integer max per block (exact)", {"finite": "amax_bits"}),
+            ("- division, FTZ, finite (cond kept)", dict(div="plain", ftz=False, finite=False)),
             ("- all of the above", dict(div="plain", ftz=False, finite=False, fallback=False)),
         ):
             row(lab, jax.jit(functools.partial(nvfp4_pack, axis=ax, **kw)), (x,), ref)
