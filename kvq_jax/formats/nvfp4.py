@@ -11,7 +11,6 @@ import numpy as np
 from kvq_jax import _grouping, _nibbles
 from kvq_jax._numerics import (
     divide,
-    e2m1_decode,
     e2m1_decode_xla,
     e2m1_encode,
     flush_subnormal,

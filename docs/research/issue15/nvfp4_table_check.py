@@ -6,6 +6,7 @@ use the codec's unpack: `decode_loop` (residual stacks) and `decode_pages` (XLA 
 The arithmetic variant is the previous library code, restored by patching the name the codec
 looks up at trace time; each variant is jitted fresh. Prints ms (min of N) and bit equality.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "bench"))
-import page_reconstruct as pr  # noqa: E402
-import residual_speed as rs  # noqa: E402
+import page_reconstruct as pr
+import residual_speed as rs
 
-import kvq_jax  # noqa: E402
-from kvq_jax import _numerics as nm  # noqa: E402
-from kvq_jax.formats import nvfp4  # noqa: E402
-from kvq_jax.kernels.page_reconstruct import arg_specs, decode_pages  # noqa: E402
+import kvq_jax
+from kvq_jax import _numerics as nm
+from kvq_jax.formats import nvfp4
+from kvq_jax.kernels.page_reconstruct import arg_specs, decode_pages
 
 N = 7
 
@@ -70,21 +71,29 @@ def main():
                 print(f"  {base}+{res} {kind} loop {loop}: {a:8.2f} -> {t:8.2f}  {s}")
     print("decode_pages (XLA), B 2 x 1024 tokens, K and V; ms arith -> table, same bits")
     for spec in arg_specs.BENCH_SPECS:
-        if spec.page_size != 16 or "nvfp4" not in (spec.k_base_format, spec.k_residual_format, spec.v_base_format,
-                           spec.v_residual_format):
+        if spec.page_size != 16 or "nvfp4" not in (
+            spec.k_base_format,
+            spec.k_residual_format,
+            spec.v_base_format,
+            spec.v_residual_format,
+        ):
             continue
         spec = dataclasses.replace(spec, num_pages=2 * 1024 // spec.page_size)
         cache = pr.random_cache(spec)
         pages = jnp.asarray(np.random.default_rng(0).permutation(spec.num_pages).astype(np.int32))
 
         def make(spec=spec):
-            return jax.jit(lambda c, p: jnp.stack([
-                decode_pages(c, k, p, loop=spec.loop, backend="xla") for k in arg_specs.KINDS
-            ]))
+            return jax.jit(
+                lambda c, p: jnp.stack(
+                    [decode_pages(c, k, p, loop=spec.loop, backend="xla") for k in arg_specs.KINDS]
+                )
+            )
 
         a, t, s = variants(make, (cache, pages))
-        print(f"  {spec.k_base_format}+{spec.k_residual_format} page {spec.page_size} "
-              f"loop {spec.loop}: {a:8.2f} -> {t:8.2f}  {s}")
+        print(
+            f"  {spec.k_base_format}+{spec.k_residual_format} page {spec.page_size} "
+            f"loop {spec.loop}: {a:8.2f} -> {t:8.2f}  {s}"
+        )
 
 
 if __name__ == "__main__":

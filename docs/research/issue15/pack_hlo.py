@@ -6,6 +6,7 @@ For each function: the ENTRY instructions that are not parameters/bitcasts/tuple
 a loop or a library call over memory: a materialized intermediate), and per fusion the number
 of element-wise instructions in its fused computation by opcode.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "bench"))
-import codec_speed as cs  # noqa: E402
+import codec_speed as cs
 
-import kvq_jax  # noqa: E402
+import kvq_jax
 
 SKIP = {"parameter", "bitcast", "tuple", "get-tuple-element", "constant"}
 
@@ -43,14 +44,18 @@ def summarize(label, text, out):
     comps = parse(text)
     entry = [i for i in comps.get("ENTRY", []) if i[2] not in SKIP]
     print(f"\n== {label}: {len(entry)} ENTRY ops", file=out)
-    for name, shape, op, line in entry:
+    for _name, shape, op, line in entry:
         extra = ""
         m = re.search(r"calls=%?([\w.\-]+)", line)
         if op == "fusion" and m:
-            ops = collections.Counter(i[2] for i in comps.get(m.group(1), []) if i[2] not in ("parameter",))
-            extra = f"  [{sum(ops.values())} ops] " + " ".join(f"{k}:{v}" for k, v in sorted(ops.items()))
+            ops = collections.Counter(
+                i[2] for i in comps.get(m.group(1), []) if i[2] not in ("parameter",)
+            )
+            extra = f"  [{sum(ops.values())} ops] " + " ".join(
+                f"{k}:{v}" for k, v in sorted(ops.items())
+            )
         elif op in ("call", "conditional"):
-            extra = "  " + line[line.find(op):][:160]
+            extra = "  " + line[line.find(op) :][:160]
         print(f"  {op:12s} {shape:40s}{extra}", file=out)
 
 
