@@ -11,7 +11,7 @@ import numpy as np
 from kvq_jax import _grouping, _nibbles
 from kvq_jax._numerics import (
     divide,
-    e2m1_decode_xla,
+    e2m1_decode,
     e2m1_encode,
     flush_subnormal,
     widen,
@@ -121,11 +121,11 @@ class NVFP4Codec(NVFP4Layout, Codec):
         )
 
     def unpack(self, packed, dtype, *, decode=None) -> jnp.ndarray:
-        """decode: the E2M1 decoder (same bits either way). The default is the table on CPU;
-        `decode_residual` passes the arithmetic `e2m1_decode`: fused into an INT4 residual
-        chain, the table gather made `decode_loop(3)` of int4+nvfp4 3.5x slower on XLA:CPU
-        (docs/research/issue15/README.md)."""
-        decode = e2m1_decode_xla if decode is None else decode
+        """decode: the E2M1 decoder of the codes (default `e2m1_decode`, the arithmetic)."""
+        # The arithmetic decode everywhere: the 16-entry table (`e2m1_decode_table`, 2-6x
+        # faster unpack on XLA:CPU) gave different values inside `kvq report`'s jitted
+        # evaluation (tests/test_report.py, nvfp4 residual errors), cause not yet found.
+        decode = e2m1_decode if decode is None else decode
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
         codes = _nibbles.unpack_nibbles(packed.codes, packed.shape[2])
         sf = packed.block_scale.astype(jnp.float32)

@@ -88,7 +88,8 @@ def decode_pages(base, delta, pages, *, loop: int, depth=None) -> jnp.ndarray:
     """
     n = pages.shape[0]
     ps, h, d = base.shape
-    flat = _flat_ok(base) and (loop == 0 or _flat_ok(delta))
+    # (_flat_ok looks at one page plane: the delta's loop axis must not count as a page axis.)
+    flat = _flat_ok(base) and (loop == 0 or _flat_ok(jax.tree.map(lambda a: a[0], delta)))
     rows = None
     if depth is not None:  # [N * page_size, 1, 1] or [N, page_size, 1, 1]
         rows = depth[pages].reshape((n * ps,) if flat else (n, ps))[..., None, None]
