@@ -20,13 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax._numerics import add_in_dtype, e2m1_decode, subtract_in_dtype
+from kvq_jax._numerics import add_in_dtype, subtract_in_dtype
 from kvq_jax.api import pack_kv, unpack_kv
 from kvq_jax.core import checks, rows
 from kvq_jax.core.containers import KVResidualBase
 from kvq_jax.core.window import Window, check_window
-from kvq_jax.packed import PackedKV
-from kvq_jax.registry import get_codec
 
 
 class KVResidual(KVResidualBase):
@@ -149,14 +147,6 @@ def _encode_residual(
     )
 
 
-def _unpack_delta(payload) -> jnp.ndarray:
-    """`unpack_kv` of a residual payload; NVFP4 with the arithmetic E2M1 decode, which fuses
-    into the residual chain better than the table `unpack_kv` uses on CPU (same bits)."""
-    if isinstance(payload, PackedKV) and payload.format == "nvfp4":
-        return get_codec("nvfp4").unpack(payload, np.dtype(payload.dtype), decode=e2m1_decode)
-    return unpack_kv(payload)
-
-
 @jax.jit
 def decode_residual(residual: KVResidual, previous) -> jnp.ndarray:
     """Rebuild the loop: `previous` + decoded delta on the owned rows, in the input dtype (an
@@ -169,7 +159,7 @@ def decode_residual(residual: KVResidual, previous) -> jnp.ndarray:
         raise TypeError(f"residual must be a KVResidual, got {type(residual).__name__}")
     previous = jnp.asarray(previous)
     checks.check_previous(residual, previous)
-    delta = _unpack_delta(residual.payload)
+    delta = unpack_kv(residual.payload)
     return rows.decode_rows(
         previous,
         delta,
