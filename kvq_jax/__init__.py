@@ -26,6 +26,7 @@ _EXPORTS = {
     "register_codec": "kvq_jax.registry",
     "unregister_codec": "kvq_jax.registry",
     "Codec": "kvq_jax.codec",
+    "IntBCodec": "kvq_jax.formats.intb",
     "PackedKV": "kvq_jax.packed",
     "WindowedKV": "kvq_jax.packed",
     "pack_kv": "kvq_jax.api",

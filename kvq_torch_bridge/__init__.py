@@ -22,6 +22,7 @@ from kvq_jax.core.constants import DEFAULT_AXIS, KINDS
 from kvq_jax.core.window import Window
 from kvq_torch_bridge.api import pack_kv, unpack_kv
 from kvq_torch_bridge.codec import Codec
+from kvq_torch_bridge.formats.intb import IntBCodec
 from kvq_torch_bridge.loops import LoopCode, decode_loop, decode_loops, encode_loops
 from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
 from kvq_torch_bridge.paged import pack_paged, unpack_paged
@@ -63,6 +64,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "Codec",
     "CopyWarning",
+    "IntBCodec",
     "KVResidual",
     "LoopCode",
     "PackedKV",

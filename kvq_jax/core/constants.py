@@ -17,6 +17,7 @@ DEFAULT_AXIS = {"key": "tokens", "value": "channels"}
 FORMATS = ("int4", "nvfp4", "fp8_e4m3", "int2")
 INT4_DEFAULT_GROUP_SIZE = 64
 INT2_DEFAULT_GROUP_SIZE = 64
+INTB_DEFAULT_GROUP_SIZE = 64
 NVFP4_GROUP_SIZE = 16
 
 #: Smallest positive normal float32, 2**-126: smaller magnitudes are flushed to zero.

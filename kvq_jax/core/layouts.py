@@ -8,6 +8,7 @@ same class and raise the same errors with the same messages.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import ml_dtypes
@@ -119,6 +120,106 @@ class Int2Layout(FormatLayout):
             "minimum": (meta, _F16),
             "scale": (meta, _F16),
         }
+
+
+def check_bit_table(bits) -> tuple[tuple[int, ...], ...]:
+    """An INTB bit table (FORMAT.md section 2b) as a tuple of per-head tuples of ints, or a
+    TypeError/ValueError naming `bits`: H >= 1 rows of D >= 1 widths in 1..8, every row
+    summing to the same multiple of 8."""
+    try:
+        table = np.asarray(bits)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"bits must be an [H, D] table of ints, got {type(bits).__name__}") from e
+    if table.dtype == bool or not np.issubdtype(table.dtype, np.integer):
+        raise TypeError(f"bits must be an [H, D] table of ints, got dtype {table.dtype}")
+    if table.ndim != 2 or 0 in table.shape:
+        raise ValueError(f"bits must be a non-empty [H, D] table, got shape {table.shape}")
+    if table.min() < 1 or table.max() > 8:
+        raise ValueError(
+            f"bits must hold widths in 1..8, got {int(table.min())}..{int(table.max())}"
+        )
+    sums = table.sum(axis=1)
+    if (sums != sums[0]).any() or sums[0] % 8:
+        raise ValueError(
+            f"bits must give every head the same multiple of 8 bits per row, got row sums "
+            f"{sorted(set(int(x) for x in sums))}"
+        )
+    return tuple(tuple(int(b) for b in row) for row in table)
+
+
+class IntBLayout(FormatLayout):
+    """Affine INT with a static bit width per (head, channel) (FORMAT.md section 2b): token
+    groups of one channel, FP16 minimum and scale per group, each (token, head) row's codes a
+    least-significant-first bit stream of W bytes. One instance per bit table, registered
+    under its own name (`intb_name` derives one from the table)."""
+
+    array_fields = ("codes", "minimum", "scale")
+    default_group_size = constants.INTB_DEFAULT_GROUP_SIZE
+
+    def __init__(self, bits, name: str | None = None):
+        self.bits = check_bit_table(bits)
+        self.name = intb_name(self.bits) if name is None else name
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty str, got {self.name!r}")
+        self.row_bytes = sum(self.bits[0]) // 8  # W
+
+    @property
+    def table_shape(self) -> tuple[int, int]:
+        """(H, D) the table is for."""
+        return len(self.bits), len(self.bits[0])
+
+    def resolve(self, shape, kind, axis, group_size):
+        check_kind(kind)
+        if axis not in (None, "tokens"):
+            raise ValueError(f"axis must be 'tokens' (or None) for {self.name}, got {axis!r}")
+        if tuple(shape[1:]) != self.table_shape:
+            h, d = self.table_shape
+            raise ValueError(
+                f"values must have H={h} heads and D={d} channels for {self.name} (its bit "
+                f"table's shape), got shape {tuple(shape)}"
+            )
+        group_size = self.default_group_size if group_size is None else group_size
+        return "tokens", check_group_size(group_size)
+
+    def array_shapes(self, shape, axis, group_size):
+        t, h, _ = shape
+        meta = constants.metadata_shape(shape, axis, group_size)
+        return {
+            "codes": ((t, h, self.row_bytes), _U8),
+            "minimum": (meta, _F16),
+            "scale": (meta, _F16),
+        }
+
+    def levels(self) -> np.ndarray:
+        """float32 [H, D]: 2^b - 1 per channel (the scale's divisor and the largest code)."""
+        return (np.left_shift(1, np.asarray(self.bits)) - 1).astype(np.float32)
+
+    def stream_maps(self) -> tuple[np.ndarray, np.ndarray]:
+        """int32 [H, 8W] (channel, bit of its code) that each stream bit holds (packing)."""
+        h, d = self.table_shape
+        channel = np.empty((h, 8 * self.row_bytes), np.int32)
+        bit = np.empty_like(channel)
+        for head, row in enumerate(self.bits):
+            channel[head] = np.repeat(np.arange(d), row)
+            bit[head] = np.concatenate([np.arange(b) for b in row])
+        return channel, bit
+
+    def code_maps(self) -> tuple[np.ndarray, np.ndarray]:
+        """int32 [H, D, 8] stream bit of bit i of each channel's code (clamped to the row),
+        and bool [H, D, 8] whether bit i exists (i < b) (unpacking)."""
+        table = np.asarray(self.bits)
+        start = np.cumsum(table, axis=1) - table
+        i = np.arange(8)
+        index = np.minimum(start[..., None] + i, 8 * self.row_bytes - 1).astype(np.int32)
+        return index, i < table[..., None]
+
+
+def intb_name(bits) -> str:
+    """The default registry name of the INTB format with table `bits`: "intb-" + the first
+    12 hex digits of the SHA-256 of its shape and widths (the same table, the same name)."""
+    table = np.asarray(check_bit_table(bits), np.uint8)
+    digest = hashlib.sha256(np.asarray(table.shape, np.int64).tobytes() + table.tobytes())
+    return "intb-" + digest.hexdigest()[:12]
 
 
 class NVFP4Layout(FormatLayout):

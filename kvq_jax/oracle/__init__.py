@@ -1,9 +1,10 @@
 """kvq scalar oracle: the reference every kvq implementation is judged against, bit for bit.
 
 The oracle implements the storage formats of docs/FORMAT.md (``int4``, ``nvfp4``,
-``fp8_e4m3``, ``int2``) one element at a time in plain Python. It shares no code with the JAX
-codecs, the Torch codec or the GPU kernels, does not import JAX, and does no numpy arithmetic and no
-ml_dtypes conversion: numpy is only the container for input and output. Every float32
+``fp8_e4m3``, ``int2``, and the ``intb`` family, one format per bit table) one element at a
+time in plain Python. It shares no code with the JAX codecs, the Torch codec or the GPU
+kernels, does not import JAX, and does no numpy arithmetic and no ml_dtypes conversion:
+numpy is only the container for input and output. Every float32
 operation is a Python binary64 operation rounded to float32 with ``struct`` and flushed
 (`kvq_jax.oracle.scalar`); E2M1 and E4M3 encodings are nearest-value searches over tables
 written out by hand (`e2m1`) or decoded from every bit pattern (`e4m3`). It is slow (a few
@@ -13,6 +14,12 @@ microseconds per element) and meant to be read.
     enc = oracle.pack(values, format="nvfp4", kind="key")    # values: numpy [T, H, D]
     enc.arrays                # {"codes": uint8, "block_scale": float8_e4m3fn, "global_scale": f32}
     out = oracle.unpack(enc)  # numpy [T, H, D] in the input dtype (or dtype=...)
+
+INTB (section 2b) takes its static bit table, ``bits[h][c]`` in 1..8 with equal row sums
+``8 * W``; it groups over tokens only, and the table travels in ``OraclePacked.bits``::
+
+    enc = oracle.pack(values, format="intb", kind="key", bits=((3, 5, 8),), group_size=2)
+    enc.arrays                # {"codes": uint8 [T, H, W], "minimum": f16, "scale": f16}
 
 Checking an outside kernel (CUDA, Triton, Pallas, ...): feed the same numpy input to the kernel
 and to `pack`, and compare every array field as raw bytes; `mismatches` does that and names
@@ -36,13 +43,14 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from kvq_jax.oracle import e2m1, e4m3, fp8_e4m3, int2, int4, layout, nvfp4, scalar
+from kvq_jax.oracle import e2m1, e4m3, fp8_e4m3, int2, int4, intb, layout, nvfp4, scalar
 
 __all__ = [
     "AXES",
     "DEFAULT_AXIS",
     "FORMATS",
     "KINDS",
+    "TABLE_FORMATS",
     "OraclePacked",
     "array_spec",
     "e2m1",
@@ -55,8 +63,12 @@ __all__ = [
     "widen",
 ]
 
-#: Format names.
+#: Format names that need nothing but the tensor (and kind, axis, group size).
 FORMATS = ("int4", "nvfp4", "fp8_e4m3", "int2")
+#: Format families that also need a bit table (``bits=``); kept out of `FORMATS` so that
+#: code looping over `FORMATS` without a table keeps working.
+TABLE_FORMATS = ("intb",)
+_ALL_FORMATS = FORMATS + TABLE_FORMATS
 #: Tensor kinds.
 KINDS = ("key", "value")
 #: Grouping axes.
@@ -74,7 +86,7 @@ _BITS_DTYPE = {_F32: np.dtype(np.uint32), _F16: np.dtype(np.uint16), _BF16: np.d
 _BITS_DTYPE.update({_U8: _U8, _E4M3: _U8})
 _VALUE_DTYPES = (_F32, _F16, _BF16)
 
-_CODECS = {"int4": int4, "nvfp4": nvfp4, "fp8_e4m3": fp8_e4m3, "int2": int2}
+_CODECS = {"int4": int4, "nvfp4": nvfp4, "fp8_e4m3": fp8_e4m3, "int2": int2, "intb": intb}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -88,6 +100,10 @@ class OraclePacked:
       nvfp4:    codes uint8 [T, H, ceil(D/2)], block_scale float8_e4m3fn [metadata],
                 global_scale float32 []
       fp8_e4m3: codes float8_e4m3fn [T, H, D], scale float32 [T, H]
+      intb:     codes uint8 [T, H, W], minimum float16, scale float16 [metadata] (axis
+                "tokens"; W = the table's row sum / 8)
+
+    bits: the INTB bit table as a tuple of H tuples of D ints; None for the other formats.
     """
 
     format: str
@@ -97,6 +113,7 @@ class OraclePacked:
     shape: tuple[int, int, int]
     dtype: np.dtype
     arrays: dict[str, np.ndarray]
+    bits: tuple[tuple[int, ...], ...] | None = None
 
 
 # --------------------------------------------------------------------------- validation
@@ -109,7 +126,7 @@ def _check_choice(name: str, value, choices) -> None:
 
 def _resolve(format, kind, axis, group_size, n_channels: int) -> tuple[str, int]:
     """Validate the static arguments; return (axis, group_size) with defaults applied."""
-    _check_choice("format", format, FORMATS)
+    _check_choice("format", format, _ALL_FORMATS)
     _check_choice("kind", kind, KINDS)
     if axis is not None:
         _check_choice("axis", axis, AXES)
@@ -126,6 +143,10 @@ def _resolve(format, kind, axis, group_size, n_channels: int) -> tuple[str, int]
                 f"got {group_size!r}"
             )
         return "channels", n_channels
+    if format == "intb":
+        if axis not in (None, "tokens"):
+            raise ValueError(f"axis: intb always groups over 'tokens', got {axis!r}")
+        axis = "tokens"
     axis = DEFAULT_AXIS[kind] if axis is None else axis
     if format == "nvfp4":
         if group_size is not None and group_size != nvfp4.GROUP_SIZE:
@@ -138,10 +159,32 @@ def _resolve(format, kind, axis, group_size, n_channels: int) -> tuple[str, int]
     return axis, int(group_size)
 
 
-def array_spec(format: str, shape, axis: str, group_size: int) -> dict[str, tuple]:
-    """The stored arrays of a format: ``{name: (numpy dtype, shape)}``."""
-    _check_choice("format", format, FORMATS)
+def _resolve_bits(format, bits, shape):
+    """The checked bit table for intb (required), None for the other formats (refused)."""
+    if format in TABLE_FORMATS:
+        if bits is None:
+            raise TypeError(f"bits: {format} needs a bit table (H rows of D ints), got None")
+        return intb.check_table(bits, shape)
+    if bits is not None:
+        raise ValueError(f"bits: only {TABLE_FORMATS} take a bit table, not {format!r}")
+    return None
+
+
+def array_spec(format: str, shape, axis: str, group_size: int, bits=None) -> dict[str, tuple]:
+    """The stored arrays of a format: ``{name: (numpy dtype, shape)}``.
+
+    `bits`: intb's bit table (required for intb, which has W code bytes per row; refused
+    for the other formats).
+    """
+    _check_choice("format", format, _ALL_FORMATS)
     shape = tuple(shape)
+    table = _resolve_bits(format, bits, shape)
+    if format == "intb":
+        if axis != "tokens":
+            raise ValueError(f"axis: intb always groups over 'tokens', got {axis!r}")
+        meta = layout.metadata_shape(shape, axis, group_size)
+        codes = (_U8, intb.packed_shape(shape, table))
+        return {"codes": codes, "minimum": (_F16, meta), "scale": (_F16, meta)}
     if format == "fp8_e4m3":
         return {"codes": (_E4M3, shape), "scale": (_F32, shape[:2])}
     meta = layout.metadata_shape(shape, axis, group_size)
@@ -210,13 +253,15 @@ def _cast_out_bits(xs: list[float], dtype: np.dtype) -> list[int]:
 # --------------------------------------------------------------------------- public API
 
 
-def pack(values: np.ndarray, *, format: str, kind: str, group_size=None, axis=None):
+def pack(values: np.ndarray, *, format: str, kind: str, group_size=None, axis=None, bits=None):
     """Encode numpy ``values[T, H, D]`` (float32, float16 or bfloat16) -> `OraclePacked`.
 
     `axis` defaults to "tokens" for keys and "channels" for values; FP8 is always
-    "channels" with one group of D. `group_size`: int4 any int >= 1 (default 64), nvfp4 16,
-    fp8_e4m3 D, int2 any int >= 1 (default 64). Raises ValueError / TypeError naming the
-    offending argument.
+    "channels" with one group of D; intb is always "tokens". `group_size`: int4, int2 and
+    intb any int >= 1 (default 64), nvfp4 16, fp8_e4m3 D. `bits`: intb's bit table
+    ``bits[h][c]`` (H rows of D ints in 1..8, equal row sums that are multiples of 8);
+    required for intb, refused for the other formats. Raises ValueError / TypeError naming
+    the offending argument.
     """
     if not isinstance(values, np.ndarray):
         raise TypeError(f"values must be a numpy.ndarray, got {type(values).__name__}")
@@ -226,9 +271,13 @@ def pack(values: np.ndarray, *, format: str, kind: str, group_size=None, axis=No
         raise ValueError(f"values must have rank 3 [T, H, D], got shape {values.shape}")
     shape = tuple(int(n) for n in values.shape)
     axis, group_size = _resolve(format, kind, axis, group_size, shape[2])
-    bits = _CODECS[format].encode(widen(values), shape, axis, group_size)
-    spec = array_spec(format, shape, axis, group_size)
-    arrays = {name: _from_bits(bits[name], dt, shp) for name, (dt, shp) in spec.items()}
+    table = _resolve_bits(format, bits, shape)
+    if format == "intb":
+        raw = intb.encode(widen(values), shape, group_size, table)
+    else:
+        raw = _CODECS[format].encode(widen(values), shape, axis, group_size)
+    spec = array_spec(format, shape, axis, group_size, bits=table)
+    arrays = {name: _from_bits(raw[name], dt, shp) for name, (dt, shp) in spec.items()}
     return OraclePacked(
         format=format,
         kind=kind,
@@ -237,6 +286,7 @@ def pack(values: np.ndarray, *, format: str, kind: str, group_size=None, axis=No
         shape=shape,
         dtype=np.dtype(values.dtype),
         arrays=arrays,
+        bits=table,
     )
 
 
@@ -244,7 +294,8 @@ def unpack(enc: OraclePacked, dtype=None) -> np.ndarray:
     """Decode `enc` -> numpy ``[T, H, D]`` in `dtype` (default ``enc.dtype``).
 
     The arrays are validated against the format (names, dtypes, shapes, zero padding
-    nibbles), so an `OraclePacked` wrapping a kernel's arrays decodes the same way.
+    nibbles; intb: ``enc.bits`` against the shape), so an `OraclePacked` wrapping a
+    kernel's arrays decodes the same way.
     """
     if not isinstance(enc, OraclePacked):
         raise TypeError(f"enc must be an OraclePacked, got {type(enc).__name__}")
@@ -258,7 +309,8 @@ def unpack(enc: OraclePacked, dtype=None) -> np.ndarray:
     if len(shape) != 3:
         raise ValueError(f"enc.shape must be [T, H, D], got {enc.shape!r}")
     axis, group_size = _resolve(enc.format, enc.kind, enc.axis, enc.group_size, shape[2])
-    spec = array_spec(enc.format, shape, axis, group_size)
+    table = _resolve_bits(enc.format, enc.bits, shape)
+    spec = array_spec(enc.format, shape, axis, group_size, bits=table)
     if set(enc.arrays) != set(spec):
         raise ValueError(f"enc.arrays must hold exactly {sorted(spec)}, got {sorted(enc.arrays)}")
     bits = {}
@@ -268,7 +320,10 @@ def unpack(enc: OraclePacked, dtype=None) -> np.ndarray:
             got = (getattr(array, "dtype", None), getattr(array, "shape", None))
             raise ValueError(f"enc.arrays[{name!r}] must be {dt} {shp}, got {got}")
         bits[name] = _to_bits(array)
-    xs = _CODECS[enc.format].decode(bits, shape, axis, group_size)
+    if enc.format == "intb":
+        xs = intb.decode(bits, shape, group_size, table)
+    else:
+        xs = _CODECS[enc.format].decode(bits, shape, axis, group_size)
     return _from_bits(_cast_out_bits(xs, out_dtype), out_dtype, shape)
 
 

@@ -20,7 +20,9 @@ from kvq_torch_bridge.packed import PackedKV
 
 def quantize(x: torch.Tensor, layout: _grouping.GroupLayout, levels=INT4_LEVELS):
     """float32 [T, H, D] -> (codes uint8 0..levels [T, H, D], minimum f16, scale f16 = span /
-    levels [metadata shape]). levels: 15 (INT4) or 3 (INT2)."""
+    levels [metadata shape]). levels: 15 (INT4), 3 (INT2), or a float32 tensor [H, D] of
+    per-channel levels (INTB, axis tokens: it broadcasts against [T, H, D] and the metadata
+    [ceil(T/G), H, D])."""
     mn = layout.reduce(torch.amin, x)
     mx = layout.reduce(torch.amax, x)
     # tested element-wise: a non-finite group must not depend on NaN handling of min/max
@@ -30,7 +32,8 @@ def quantize(x: torch.Tensor, layout: _grouping.GroupLayout, levels=INT4_LEVELS)
     scale = torch.where(span > 0, flush_subnormal(divide(span, levels)), 1.0)
     q = round_half_even(divide(flush_subnormal(x - layout.expand(mn)), layout.expand(scale)))
     # clamp before the cast (float -> uint8 wraps in torch); NaN -> 0
-    codes = torch.where(q >= 0, torch.clamp(q, max=float(levels)), 0.0)
+    limit = levels if isinstance(levels, torch.Tensor) else float(levels)
+    codes = torch.where(q >= 0, torch.clamp(q, max=limit), 0.0)
     codes = torch.where(layout.expand(finite), codes, 0.0).to(torch.uint8)
     minimum = torch.where(finite, mn, math.nan).to(torch.float16)
     scale = torch.where(finite, scale, math.nan).to(torch.float16)

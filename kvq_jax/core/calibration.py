@@ -1,0 +1,100 @@
+"""Calibrating an INTB bit table (docs/FORMAT.md section 2b) from sample keys and queries.
+
+NumPy only. The table gives each (KV head, channel) the width that minimizes the expected
+squared error of the attention logits q . k at a fixed bit budget: under uniform affine
+quantization channel c's squared error is about S_c / (2^b - 1)^2 (S_c: mean squared group
+span), and it reaches a logit weighted by E[q_c^2], summed over the query heads that share the
+KV head. Errors of this form are convex in b, so adding one bit at a time where it removes the
+most weighted error is optimal (greedy marginal allocation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvq_jax.core.layouts import check_bit_table, check_group_size
+
+
+def _as_4d(x, name: str) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    if x.ndim == 3:
+        x = x[None]
+    if x.ndim != 4 or 0 in x.shape:
+        raise ValueError(f"{name} must be [N, T, H, D] or [T, H, D] and non-empty, got {x.shape}")
+    return x
+
+
+def query_energy(queries, num_kv_heads: int) -> np.ndarray:
+    """float64 [H, D]: mean q_c^2 over samples and tokens, summed over the query heads of each
+    KV head (GQA: query head j reads KV head j // (Hq / H)). queries: [N, T, Hq, D]."""
+    q = _as_4d(queries, "queries")
+    hq = q.shape[2]
+    if hq % num_kv_heads:
+        raise ValueError(f"queries has {hq} heads, not a multiple of num_kv_heads={num_kv_heads}")
+    energy = np.mean(q**2, axis=(0, 1))  # [Hq, D]
+    return energy.reshape(num_kv_heads, hq // num_kv_heads, -1).sum(axis=1)
+
+
+def group_span_power(keys, group_size: int) -> np.ndarray:
+    """float64 [H, D]: mean over token groups of (max - min)^2 of each (head, channel), groups
+    of `group_size` consecutive tokens of each sample (a partial last group included).
+    keys: [N, T, H, D]."""
+    k = _as_4d(keys, "keys")
+    g = check_group_size(group_size)
+    t = k.shape[1]
+    spans = []
+    for start in range(0, t, g):
+        block = k[:, start : start + g]
+        spans.append(block.max(axis=1) - block.min(axis=1))  # [N, H, D]
+    return np.mean(np.stack(spans) ** 2, axis=(0, 1))
+
+
+def allocate_bits(
+    weight, *, mean_bits: float = 4.0, min_bits: int = 1, max_bits: int = 8
+) -> tuple[tuple[int, ...], ...]:
+    """[H, D] error weights (w_c = E[q_c^2] * S_c) -> bit table of widths in
+    [min_bits, max_bits] with `mean_bits * D` bits per head, minimizing
+    sum_c w_c / (2^b_c - 1)^2. Ties go to the lower channel index."""
+    w = np.asarray(weight, np.float64)
+    if w.ndim != 2 or 0 in w.shape or not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError(f"weight must be a finite, non-negative [H, D] array, got shape {w.shape}")
+    if not 1 <= min_bits <= max_bits <= 8:
+        raise ValueError(f"need 1 <= min_bits <= max_bits <= 8, got {min_bits}, {max_bits}")
+    h, d = w.shape
+    budget = mean_bits * d
+    if budget != int(budget) or int(budget) % 8 or not min_bits * d <= budget <= max_bits * d:
+        raise ValueError(
+            f"mean_bits * D must be a multiple of 8 within [min_bits * D, max_bits * D], got "
+            f"{mean_bits} * {d}"
+        )
+    error = w[..., None] / ((2.0 ** np.arange(9) - 1) ** 2).clip(min=1.0)  # [H, D, b], b = 0..8
+    table = np.full((h, d), min_bits)
+    rows = np.arange(d)
+    for head in range(h):
+        for _ in range(int(budget) - min_bits * d):
+            b = table[head]
+            gain = np.where(
+                b < max_bits, error[head, rows, b] - error[head, rows, np.minimum(b + 1, 8)], -1.0
+            )
+            table[head, int(np.argmax(gain))] += 1
+    return check_bit_table(table)
+
+
+def intb_bit_table(
+    keys,
+    queries,
+    *,
+    mean_bits: float = 4.0,
+    group_size: int = 64,
+    min_bits: int = 1,
+    max_bits: int = 8,
+) -> tuple[tuple[int, ...], ...]:
+    """The INTB key bit table for one layer from calibration samples, as stored (post-RoPE).
+
+    keys: [N, T, H, D] or [T, H, D]; queries: [N, T, Hq, D] or [T, Hq, D], Hq a multiple of
+    H. The table has `mean_bits * D` bits per head (4.0 at G = 64: INT4 G64's 4.5
+    bits/element with the metadata). Calibrate on other text than you evaluate on.
+    """
+    k = _as_4d(keys, "keys")
+    weight = query_energy(queries, k.shape[2]) * group_span_power(k, group_size)
+    return allocate_bits(weight, mean_bits=mean_bits, min_bits=min_bits, max_bits=max_bits)
