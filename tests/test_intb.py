@@ -1,28 +1,40 @@
 """INTB (FORMAT.md section 2b) around the codecs: the bit-table calibration against brute
-force, argument errors at trace time, the paged cache and kernels with an INTB key format.
+force, argument errors at trace time, the paged cache and kernels with an INTB key format,
+and the report's per-layer key tables (intb-smollm2, `python -m kvq_jax.report.calibrate`).
 (The oracle comparisons are in test_intb_oracle.py, Torch in test_intb_torch.py.)"""
 
 from __future__ import annotations
 
 import itertools
+import types
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import assert_same_bytes
 
 import kvq_jax
+from kvq_jax import cli
+from kvq_jax.core import policies as policies_module
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.calibration import (
     allocate_bits,
     group_span_power,
     intb_bit_table,
+    load_key_tables,
     query_energy,
 )
 from kvq_jax.core.layouts import intb_name
+from kvq_jax.core.policies import POLICIES, Policy
+from kvq_jax.engine.engine import cache_config_for
 from kvq_jax.formats.intb import IntBCodec
 from kvq_jax.paged_cache import append, gather, init_cache
+from kvq_jax.report import calibrate
+from kvq_jax.report import capture as cap
+from kvq_jax.report.evaluate import evaluate
+from kvq_jax.report.key_tables import get_key_tables, layer_policies
 
 TABLE = ((1, 3, 8, 4, 2, 6, 5, 3), (4, 4, 4, 4, 4, 4, 4, 4))  # 32 bits per head: W = 4
 
@@ -170,3 +182,171 @@ def test_every_kernel_declines_intb_with_the_reason():
         assert "has no page-pack kernel" in reason
     finally:
         kvq_jax.unregister_codec(codec.name)
+
+
+# --- per-layer key tables in the report -------------------------------------------------------
+
+
+def _smol_capture(model="SmolLM2-135M-Instruct", layers=(2, 15, 28), windows=1, loops=2):
+    """Random K/V/Q of SmolLM2's shape (3 KV heads, 9 query heads, dim 64), 128 tokens."""
+    rng = np.random.default_rng(11)
+    n = len(layers)
+
+    def stack(heads, offset):
+        x = rng.standard_normal((windows, loops, n, 128, heads, 64)) + offset * rng.standard_normal(
+            (1, 1, n, 1, heads, 64)
+        )
+        return x.astype(ml_dtypes.bfloat16)
+
+    meta = {"model": model, "layers": list(layers)}
+    return cap.make_capture(stack(3, 2.0), stack(3, 0.0), stack(9, 1.0), meta=meta)
+
+
+def _attention(q, k, v):
+    """Causal GQA attention in float64: q [T, Hq, D], k, v [T, H, D] -> [T, Hq, D]."""
+    t, hq, d = q.shape
+    k, v = (np.repeat(x, hq // x.shape[1], axis=1) for x in (k, v))
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
+    scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("hts,shd->thd", probs / probs.sum(-1, keepdims=True), v)
+
+
+def _expected_keys(capture, layers):
+    """(K storage bytes, K rel L2, K reconstruction) with the keys of capture layer n in the
+    INTB format of model layer layers[n]'s shipped table, by explicit encode_loops calls."""
+    tables = get_key_tables("smollm2")
+    x = np.asarray(capture.k, np.float64)
+    hat = np.empty_like(x)
+    storage = 0
+    for w in range(capture.num_windows):
+        for n, layer in enumerate(layers):
+            codec = IntBCodec(tables.table(layer))
+            if codec.name not in kvq_jax.CODECS:
+                kvq_jax.register_codec(codec)
+            code = kvq_jax.encode_loops(
+                capture.k[w, :, n], kind="key", base_format=codec.name,
+                residual_format=codec.name, group_size=64,
+            )  # fmt: skip
+            storage += code.storage_bytes
+            hat[w, :, n] = np.asarray(kvq_jax.decode_loops(code), np.float64)
+    return storage, np.sqrt(np.sum((hat - x) ** 2) / np.sum(x**2)), hat
+
+
+def test_report_runs_each_layer_under_its_own_table():
+    """The intb-smollm2 row equals explicit per-layer codec calls (K bytes and error, V as
+    INT4 G64, attention in float64), and a layer mix-up (every layer under layer 2's table)
+    would give other numbers."""
+    capture = _smol_capture()
+    (row,) = evaluate(capture, [POLICIES["intb-smollm2"]], show_progress=False)
+    storage, k_err, k_hat = _expected_keys(capture, [2, 15, 28])
+    assert row.k_storage_bytes == storage
+    assert row.k_rel_l2 == pytest.approx(k_err, rel=1e-5)
+    assert row.bits_per_element == 4.5
+    assert _expected_keys(capture, [2, 2, 2])[1] != pytest.approx(k_err, rel=1e-3)
+    v_hat = np.empty(capture.v.shape, np.float64)
+    for w in range(capture.num_windows):
+        for n in range(capture.num_layers):
+            code = kvq_jax.encode_loops(
+                capture.v[w, :, n], kind="value", base_format="int4", residual_format="int4",
+                group_size=64,
+            )  # fmt: skip
+            v_hat[w, :, n] = np.asarray(kvq_jax.decode_loops(code), np.float64)
+    v = np.asarray(capture.v, np.float64)
+    assert row.v_rel_l2 == pytest.approx(np.sqrt(np.sum((v_hat - v) ** 2) / np.sum(v**2)), rel=1e-5)
+    err_sq = np.zeros((3, 9))
+    ref_sq = np.zeros((3, 9))
+    k, q = np.asarray(capture.k, np.float64), np.asarray(capture.q, np.float64)
+    for i in range(2):
+        for n in range(3):
+            ref = _attention(q[0, i, n], k[0, i, n], v[0, i, n])
+            got = _attention(q[0, i, n], k_hat[0, i, n], v_hat[0, i, n])
+            err_sq[n] += np.sum((got - ref) ** 2, axis=(0, 2))
+            ref_sq[n] += np.sum(ref**2, axis=(0, 2))
+    np.testing.assert_allclose(row.attention_layer_head, np.sqrt(err_sq / ref_sq), rtol=2e-3)
+
+
+def test_a_layer_subset_keeps_its_model_layers():
+    capture = cap.select(_smol_capture(), layers=[1])
+    assert capture.meta["layers"] == [15]
+    (policy,) = layer_policies(POLICIES["intb-smollm2"], capture.meta, capture.k.shape)
+    assert policy.base_format == IntBCodec(get_key_tables("smollm2").table(15)).name
+    assert policy.v_base_format == "int4" and policy.key_tables is None
+
+
+@pytest.mark.parametrize(
+    ("meta", "shape", "match"),
+    [
+        ({"model": "fixture", "layers": [2]}, (1, 1, 1, 64, 3, 64), "key tables are for"),
+        ({"model": "smollm2"}, (1, 1, 1, 64, 3, 64), "must list the model layer"),
+        ({"model": "smollm2", "layers": [2, 3]}, (1, 1, 1, 64, 3, 64), "must list the model"),
+        ({"model": "smollm2", "layers": [30]}, (1, 1, 1, 64, 3, 64), "layer 30 has no key"),
+        ({"source": {"model": "smollm2"}, "layers": [2]}, (1, 1, 1, 64, 4, 64), r"\(4, 64\)"),
+    ],
+)
+def test_tables_that_do_not_fit_the_capture_are_refused(meta, shape, match):
+    with pytest.raises(ValueError, match=match):
+        layer_policies(POLICIES["intb-smollm2"], meta, shape)
+
+
+def test_report_skips_a_table_policy_on_other_models_and_refuses_it_when_asked(
+    tmp_path, monkeypatch, capsys
+):
+    path = tmp_path / "other.npz"
+    cap.save_capture(path, _smol_capture(model="fixture", layers=(0,)))
+    few = {name: POLICIES[name] for name in ("bf16", "intb-smollm2")}
+    monkeypatch.setattr(policies_module, "POLICIES", few)  # "all" = these two
+    assert cli.main(["report", "--kv", str(path), "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "skipping intb-smollm2: policy 'intb-smollm2': its key tables are for" in err
+    assert "intb-smollm2" not in out and "bf16" in out
+    rc = cli.main(["report", "--kv", str(path), "--policies", "intb-smollm2", "--no-progress"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "its key tables are for" in err and "Traceback" not in err
+
+
+def test_calibrate_writes_the_tables_of_each_layer(tmp_path):
+    capture = _smol_capture(layers=(4, 9), windows=2)
+    src, out = tmp_path / "cap.npz", tmp_path / "tables.npz"
+    cap.save_capture(src, capture)
+    assert calibrate.main([str(src), str(out), "--models", "a,b", "--source", "test"]) == 0
+    tables = load_key_tables(out)
+    assert tables.models == ("a", "b") and tables.group_size == 64 and tables.source == "test"
+    assert sorted(tables.tables) == [4, 9]
+    for n, layer in enumerate((4, 9)):
+        k = np.asarray(capture.k[:, 0, n], np.float32)
+        q = np.asarray(capture.q[:, 0, n], np.float32)
+        assert tables.table(layer) == intb_bit_table(k, q)
+    assert calibrate.main([str(src), str(out), "--models", "a", "--mean-bits", "4.1"]) == 2
+
+
+def test_shipped_tables_cover_smollm2_at_4_5_bits():
+    tables = get_key_tables("smollm2")
+    assert sorted(tables.tables) == list(range(30)) and tables.group_size == 64
+    assert {"SmolLM2-135M-Instruct", "smollm2"} <= set(tables.models)
+    for table in tables.tables.values():
+        assert (
+            np.asarray(table).shape == (3, 64)
+            and np.asarray(table).sum(axis=1).tolist() == [256] * 3
+        )
+
+
+def test_policies_with_key_tables_are_refused_where_not_wired():
+    policy = POLICIES["intb-smollm2"]
+    with pytest.raises(ValueError, match="per-layer tables"):
+        policy.loop_kwargs("key", 2)
+    assert policy.loop_kwargs("value", 2)["base_format"] == "int4"
+    with pytest.raises(ValueError, match="per-layer INTB tables"):
+        cache_config_for(
+            policy, num_pages=4, page_size=64, num_heads=3, head_dim=64, dtype="float32",
+            num_loops=1, max_seqs=1,
+        )  # fmt: skip
+    from kvq_torch_bridge.model_eval.cli import _policies
+
+    with pytest.raises(ValueError, match="does not run yet"):
+        _policies(types.SimpleNamespace(policies="int4-g64,intb-smollm2"))
+    assert "intb-smollm2" not in [p.name for p in _policies(types.SimpleNamespace(policies="all"))]
+    with pytest.raises(ValueError, match="names its value formats"):
+        Policy("x", "intb", "intb", key_tables="smollm2")
+    with pytest.raises(TypeError, match="key_tables"):
+        Policy("x", "intb", "intb", v_base_format="int4", key_tables=3)

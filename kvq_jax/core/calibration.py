@@ -10,6 +10,9 @@ most weighted error is optimal (greedy marginal allocation).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 
 from kvq_jax.core.layouts import check_bit_table, check_group_size
@@ -98,3 +101,57 @@ def intb_bit_table(
     k = _as_4d(keys, "keys")
     weight = query_energy(queries, k.shape[2]) * group_span_power(k, group_size)
     return allocate_bits(weight, mean_bits=mean_bits, min_bits=min_bits, max_bits=max_bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyTables:
+    """The INTB key bit tables of one model, per model layer (a policy's `key_tables`).
+
+    models: the names a capture's meta may give the model ("model" or "source.model").
+    tables: model layer index -> bit table (H tuples of D widths).
+    group_size: the token group size the tables were calibrated for.
+    source: what they were calibrated on (text, tokens, capture).
+    """
+
+    models: tuple[str, ...]
+    tables: dict[int, tuple[tuple[int, ...], ...]]
+    group_size: int
+    source: str
+
+    def table(self, layer: int) -> tuple[tuple[int, ...], ...]:
+        """The bit table of model layer `layer`, or a ValueError listing the layers held."""
+        try:
+            return self.tables[layer]
+        except KeyError:
+            raise ValueError(
+                f"layer {layer} has no key table (tables for layers {sorted(self.tables)})"
+            ) from None
+
+
+def save_key_tables(path, key_tables: KeyTables) -> None:
+    """Write `key_tables` as an .npz: layers int32 [N], bits uint8 [N, H, D], meta JSON."""
+    layers = sorted(key_tables.tables)
+    meta = dict(
+        models=list(key_tables.models), group_size=key_tables.group_size, source=key_tables.source
+    )
+    np.savez_compressed(
+        path,
+        layers=np.asarray(layers, np.int32),
+        bits=np.asarray([key_tables.tables[i] for i in layers], np.uint8),
+        meta=np.asarray(json.dumps(meta)),
+    )
+
+
+def load_key_tables(path) -> KeyTables:
+    """Read a file written by `save_key_tables` (every table checked as a bit table)."""
+    with np.load(path) as data:
+        meta = json.loads(str(data["meta"]))
+        layers, bits = data["layers"].tolist(), data["bits"].astype(np.int64)
+    if len(layers) != len(bits):
+        raise ValueError(f"{path}: {len(layers)} layers but {len(bits)} tables")
+    return KeyTables(
+        models=tuple(meta["models"]),
+        tables={int(i): check_bit_table(b) for i, b in zip(layers, bits, strict=True)},
+        group_size=check_group_size(int(meta["group_size"])),
+        source=str(meta["source"]),
+    )

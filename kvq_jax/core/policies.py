@@ -46,6 +46,10 @@ class Policy:
     absolute: the later loops (0-based, >= 1) of keys stored absolute, packed on their own
       instead of as deltas; loops past a stack's end are ignored (a 4-loop profile runs on
       fewer loops). v_absolute: the values' (None: the same as the keys').
+    key_tables: the name of a per-model set of INTB key bit tables (FORMAT.md 2b,
+      `kvq_jax.core.calibration.KeyTables`), or None. The keys of model layer l are then
+      stored in every loop in the INTB format of layer l's table (base_format and
+      residual_format are the label "intb"); `for_key_format` gives a layer's own policy.
     """
 
     name: str
@@ -57,8 +61,18 @@ class Policy:
     v_residual_format: str | tuple[str, ...] | None = None
     absolute: tuple[int, ...] = ()
     v_absolute: tuple[int, ...] | None = None
+    key_tables: str | None = None
 
     def __post_init__(self):
+        if self.key_tables is not None:
+            if not isinstance(self.key_tables, str) or not self.key_tables:
+                raise TypeError(
+                    f"Policy.key_tables must be a table-set name or None, got {self.key_tables!r}"
+                )
+            if self.v_base_format is None:
+                raise ValueError(
+                    "Policy.v_base_format: a policy with key_tables names its value formats"
+                )
         for field in ("absolute", "v_absolute"):
             loops = getattr(self, field)
             if loops is None and field == "v_absolute":
@@ -74,6 +88,13 @@ class Policy:
             if len(set(loops)) != len(loops):
                 raise ValueError(f"Policy.{field}: a loop is listed twice in {loops!r}")
             object.__setattr__(self, field, tuple(sorted(loops)))
+
+    def for_key_format(self, key_format: str) -> Policy:
+        """This policy with its keys in `key_format` in every loop (a key_tables policy's
+        policy for one layer, whose INTB format is registered under `key_format`)."""
+        return dataclasses.replace(
+            self, base_format=key_format, residual_format=key_format, key_tables=None
+        )
 
     @property
     def quantized(self) -> bool:
@@ -129,6 +150,11 @@ class Policy:
         are stored absolute (then `absolute` is among them)."""
         if not self.quantized:
             raise ValueError(f"policy {self.name!r} is the unquantized reference")
+        if self.key_tables is not None and kind == "key":
+            raise ValueError(
+                f"policy {self.name!r} stores keys with per-layer tables ({self.key_tables}): "
+                "take one layer's policy with for_key_format"
+            )
         base, residual = self.formats(kind)
         absolute = self.absolute if kind == "key" or self.v_absolute is None else self.v_absolute
         if absolute and num_loops is None:
@@ -212,6 +238,17 @@ POLICIES: dict[str, Policy] = {
                     v_residual_format=("int4", "int2", "int2"),
                     absolute=(1, 2, 3),
                     v_absolute=(),
+                ),
+                # Issue 16: keys in INTB with SmolLM2's per-layer tables (calibrated on
+                # Wikipedia and Python source, not on the embedded capture's text), values INT4.
+                Policy(
+                    "intb-smollm2",
+                    "intb",
+                    "intb",
+                    group_size=64,
+                    v_base_format="int4",
+                    v_residual_format="int4",
+                    key_tables="smollm2",
                 ),
             ]
         ),

@@ -99,6 +99,12 @@ def cache_config_for(
     that does not fit the page)."""
     if not policy.quantized:
         raise ValueError(f"policy {policy.name!r} is unquantized: it has no PagedCacheConfig")
+    if policy.key_tables is not None:
+        raise ValueError(
+            f"policy {policy.name!r} stores keys with per-layer INTB tables "
+            f"({policy.key_tables}); the engine builds one cache configuration for every "
+            "layer: register a layer's IntBCodec and use its name as a format instead"
+        )
     for kind in ("key", "value"):
         if policy.absolute_loops(kind, num_loops):
             raise ValueError(

@@ -137,6 +137,10 @@ def select(capture: Capture, windows=None, layers=None) -> Capture:
     k, v, q = capture.k, capture.v, capture.q
     if windows is not None:
         k, v, q = (None if x is None else x[list(windows)] for x in (k, v, q))
+    meta = capture.meta
     if layers is not None:
         k, v, q = (None if x is None else x[:, :, list(layers)] for x in (k, v, q))
-    return Capture(k=k, v=v, q=q, meta=capture.meta)
+        model_layers = meta.get("layers")
+        if isinstance(model_layers, list) and len(model_layers) == capture.num_layers:
+            meta = {**meta, "layers": [model_layers[i] for i in layers]}  # model layer ids
+    return Capture(k=k, v=v, q=q, meta=meta)

@@ -111,6 +111,20 @@ def run(args) -> int:
     except (ValueError, TypeError, OSError) as e:
         return _error(str(e))
     capture = cap.select(capture, windows=windows, layers=layers)
+    from kvq_jax.report.key_tables import layer_policies
+
+    kept = []
+    for policy in policies:  # per-layer key tables fit only their model's captures
+        if policy.key_tables is not None:
+            try:
+                layer_policies(policy, capture.meta, capture.k.shape)
+            except ValueError as e:
+                if args.policies.strip() != "all":
+                    return _error(str(e))
+                print(f"kvq report: skipping {policy.name}: {e}", file=sys.stderr)
+                continue
+        kept.append(policy)
+    policies = kept
 
     from kvq_jax.report import render
     from kvq_jax.report.evaluate import evaluate

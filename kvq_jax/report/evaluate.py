@@ -3,7 +3,9 @@
 For each policy, the loop stack [L, T, H, D] of every (window, layer) of the capture is packed
 with `kvq_jax.encode_loops(**policy.loop_kwargs(kind))` for K and for V and every loop is
 decoded with `kvq_jax.decode_loops`. All stacks of a capture go through one `jax.vmap`, so each
-policy compiles once. Measured (all relative L2, pooled; see `metrics`):
+policy compiles once; a policy with per-layer INTB key tables (`key_tables`) runs each layer's
+stacks under that layer's formats (`kvq_jax.report.key_tables`), one compilation per layer.
+Measured (all relative L2, pooled; see `metrics`):
 
   bits/element      8 * storage_bytes of the actual codes (K and V) / elements (K and V)
   K / V             reconstruction of every loop vs the original, all rows
@@ -43,6 +45,7 @@ from kvq_jax.api import unpack_kv
 from kvq_jax.core.policies import Policy
 from kvq_jax.loops import decode_loops, encode_loops
 from kvq_jax.report.capture import Capture
+from kvq_jax.report.key_tables import layer_policies
 from kvq_jax.report.metrics import (
     batched_attention,
     batched_decode_attention,
@@ -174,8 +177,8 @@ def decode_attention_sums(q, k, v, k_hat, v_hat, ref_out, *, sink: int, recent: 
     return square_sums(ref_out[..., q.shape[-3] - n :, :, :], out)
 
 
-def _run_policy(policy: Policy, k, v, q, ref_out):
-    start = time.perf_counter()
+def _policy_run(policy: Policy, k, v, q, ref_out):
+    """(K bytes, V bytes, numpy sums) of one policy on stacks k, v [B, L, T, H, D]."""
     k_code, v_code, k_hat, v_hat, sums = policy_sums(k, v, policy=policy)
     if q is not None:
         sums["attn_err"], sums["attn_ref"] = attention_sums(q, k_hat, v_hat, ref_out)
@@ -184,8 +187,30 @@ def _run_policy(policy: Policy, k, v, q, ref_out):
         sums["dec_err"], sums["dec_ref"] = decode_attention_sums(
             q, k, v, k_hat, v_hat, ref_out, sink=sink, recent=recent
         )
-    jax.block_until_ready(sums)
-    return k_code, v_code, sums, time.perf_counter() - start
+    sums = {name: np.asarray(a) for name, a in sums.items()}
+    return int(k_code.storage_bytes), int(v_code.storage_bytes), sums
+
+
+def _run_policy(policy: Policy, k, v, q, ref_out, layers: list[Policy] | None = None):
+    """One policy's (K bytes, V bytes, numpy sums [B, ...], seconds). `layers`: a
+    key_tables policy's per-layer policies; stack b (= window * N + layer) runs under
+    layers[b % N]."""
+    start = time.perf_counter()
+    if layers is None:
+        k_bytes, v_bytes, sums = _policy_run(policy, k, v, q, ref_out)
+    else:
+        k_bytes = v_bytes = 0
+        sums = {}
+        count = k.shape[0]
+        for n, layer_policy in enumerate(layers):
+            rows = np.arange(n, count, len(layers))
+            q_n = None if q is None else q[rows]
+            ref_n = None if ref_out is None else ref_out[rows]
+            kb, vb, part = _policy_run(layer_policy, k[rows], v[rows], q_n, ref_n)
+            k_bytes, v_bytes = k_bytes + kb, v_bytes + vb
+            for name, a in part.items():
+                sums.setdefault(name, np.empty((count, *a.shape[1:]), a.dtype))[rows] = a
+    return k_bytes, v_bytes, sums, time.perf_counter() - start
 
 
 def _window_tuple(policy: Policy):
@@ -237,10 +262,9 @@ def _reference_row(policy: Policy, capture: Capture, num_elements: int) -> Polic
 
 
 def _row(
-    policy, k_code, v_code, sums, num_windows, num_elements, seconds, num_loops, num_queries
+    policy, k_bytes, v_bytes, sums, num_windows, num_elements, seconds, num_loops, num_queries
 ) -> PolicyResult:
     s = {n: unstack(a, num_windows) for n, a in sums.items()}  # [W, L, N, H]
-    k_bytes, v_bytes = int(k_code.storage_bytes), int(v_code.storage_bytes)
     attn = {}
     if "attn_err" in s:
         per_lh = pool(s["attn_err"], s["attn_ref"], axis=(0, 1))  # [N, Hq]
@@ -320,8 +344,16 @@ def evaluate(capture: Capture, policies: list[Policy], *, show_progress=None) ->
     workers = max(1, min(len(quantized), os.cpu_count() or 1, 8))
     done = {}
     # Compilation dominates and releases the GIL: run policies in threads, one per core.
+    # a key_tables policy runs layer by layer (registering its formats here, not in threads)
+    layers = {
+        p: layer_policies(p, capture.meta, capture.k.shape)
+        for p in quantized
+        if p.key_tables is not None
+    }
     with concurrent.futures.ThreadPoolExecutor(workers) as pool_:
-        futures = {pool_.submit(_run_policy, p, k, v, q, ref_out): p for p in quantized}
+        futures = {
+            pool_.submit(_run_policy, p, k, v, q, ref_out, layers.get(p)): p for p in quantized
+        }
         bar = progress(
             concurrent.futures.as_completed(futures),
             total=len(futures),
@@ -330,11 +362,11 @@ def evaluate(capture: Capture, policies: list[Policy], *, show_progress=None) ->
         )
         for future in bar:
             policy = futures[future]
-            k_code, v_code, sums, seconds = future.result()
+            k_bytes, v_bytes, sums, seconds = future.result()
             done[policy] = _row(
                 policy,
-                k_code,
-                v_code,
+                k_bytes,
+                v_bytes,
                 sums,
                 capture.num_windows,
                 num_elements,

@@ -14,11 +14,14 @@ _COLORS = {
     "nvfp4": "tab:orange",
     "fp8_e4m3": "tab:green",
     "int2": "tab:red",
+    "intb": "tab:brown",  # per-layer INTB keys (values in another format)
     "bf16": "black",
 }
 
 
 def _color(r: PolicyResult) -> str:
+    if r.base_format == "intb":
+        return _COLORS["intb"]
     if len(set(r.k_loop_formats) | set(r.v_loop_formats)) > 1:
         return "tab:purple"
     return _COLORS.get(r.base_format, "tab:gray")

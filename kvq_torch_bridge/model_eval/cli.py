@@ -92,7 +92,16 @@ def _policies(args):
     from kvq_jax.core.policies import parse_policies
 
     text = getattr(args, "policies", None)
-    return parse_policies(text)
+    policies = parse_policies(text)
+    tabled = [p.name for p in policies if p.key_tables is not None]
+    if tabled and text not in (None, "all"):
+        raise ValueError(
+            f"policies {tabled} store keys with per-layer INTB tables, which the model "
+            "evaluation does not run yet (kvq report on a capture does)"
+        )
+    if tabled:
+        print(f"kvq report: skipping {', '.join(tabled)} (per-layer key tables)", file=sys.stderr)
+    return [p for p in policies if p.key_tables is None]
 
 
 def _windows(args, loaded):
