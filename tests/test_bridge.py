@@ -190,8 +190,14 @@ def test_vllm_kv_cache_dtype_names():
 
 
 def test_torch_codec_passes_the_shared_vectors():
+    from kvq_torch_bridge.formats.intb import register_table
+
     results = check_pack(
-        kt.pack_kv, unpack_fn=kt.unpack_kv, input_kind="torch", cases=load_vectors()
+        kt.pack_kv,
+        unpack_fn=kt.unpack_kv,
+        input_kind="torch",
+        cases=load_vectors(),
+        register_table=register_table,
     )
     failed = [f"{r.name}: {r.detail}" for r in results if not r.passed]
     assert not failed, failed[:5]

@@ -11,6 +11,9 @@ import kvq_jax
 from kvq_jax import cli
 from kvq_jax.conformance import check_pack, load_vectors
 from kvq_jax.conformance.generate import generate
+from kvq_jax.core.constants import FORMATS
+from kvq_jax.core.layouts import intb_name
+from kvq_jax.formats.intb import register_table
 
 CASES = load_vectors()
 
@@ -33,7 +36,9 @@ def test_shipped_vectors_equal_a_fresh_oracle_run():
 
 
 def test_vectors_cover_formats_dtypes_and_edge_cases():
-    assert {c.format for c in CASES} == set(kvq_jax.CODECS)
+    assert {c.format for c in CASES if c.bits is None} == set(FORMATS)  # every built-in one
+    tables = [c for c in CASES if c.bits is not None]  # INTB: the format is the table's name
+    assert len(tables) >= 40 and all(c.format == intb_name(c.bits) for c in tables)
     assert {c.values.dtype.name for c in CASES} == {"bfloat16", "float16", "float32"}
     assert {(c.format, c.axis) for c in CASES} >= {
         ("int4", "tokens"),
@@ -58,7 +63,11 @@ def test_vectors_cover_formats_dtypes_and_edge_cases():
 @pytest.mark.parametrize("input_kind", ["numpy", "jax"])
 def test_kvq_jax_passes_every_vector(input_kind):
     results = check_pack(
-        kvq_jax.pack_kv, unpack_fn=kvq_jax.unpack_kv, input_kind=input_kind, cases=CASES
+        kvq_jax.pack_kv,
+        unpack_fn=kvq_jax.unpack_kv,
+        input_kind=input_kind,
+        cases=CASES,
+        register_table=register_table,
     )
     failed = [f"{r.name}: {r.detail}" for r in results if not r.passed]
     assert not failed, failed[:5]
@@ -89,17 +98,24 @@ def raises(values, **kwargs):
 
 def test_a_wrong_implementation_fails_exactly_where_it_is_wrong():
     results = check_pack(off_by_one_code, cases=CASES)
-    failed = {r.name for r in results if not r.passed}
+    assert {r.name for r in results if r.skipped} == {c.name for c in CASES if c.bits is not None}
+    failed = {r.name for r in results if not r.passed and not r.skipped}
     nonempty_nvfp4 = {c.name for c in CASES if c.format == "nvfp4" and c.values.size}
     assert failed == nonempty_nvfp4
-    assert all("codes" in r.detail for r in results if not r.passed)
-    assert all("raised NotImplementedError" in r.detail for r in check_pack(raises, cases=CASES))
+    assert all("codes" in r.detail for r in results if not r.passed and not r.skipped)
+    raised = check_pack(raises, cases=CASES, register_table=lambda bits: None)
+    assert all("raised NotImplementedError" in r.detail for r in raised)
 
 
 def test_cli_reports_pass_and_fail(capsys):
+    table_cases = sum(c.bits is not None for c in CASES)
     assert cli.main(["conformance", "--unpack", "kvq_jax:unpack_kv"]) == 0
     out = capsys.readouterr().out
-    assert f"{len(CASES)} passed, 0 failed" in out
+    assert f"{len(CASES) - table_cases} passed, 0 failed, {table_cases} skipped" in out
+    register = ["--register-table", "kvq_jax.formats.intb:register_table"]
+    assert cli.main(["conformance", "--unpack", "kvq_jax:unpack_kv", *register]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(CASES)} passed, 0 failed\n" in out
     assert cli.main(["conformance", "test_conformance:off_by_one_code"]) == 1
     out = capsys.readouterr().out
     assert "FAIL ties/e2m1_midpoints [nvfp4]: codes:" in out

@@ -331,7 +331,7 @@ def test_shipped_tables_cover_smollm2_at_4_5_bits():
         )
 
 
-def test_policies_with_key_tables_are_refused_where_not_wired():
+def test_key_table_policies_are_checked_or_refused_everywhere():
     policy = POLICIES["intb-smollm2"]
     with pytest.raises(ValueError, match="per-layer tables"):
         policy.loop_kwargs("key", 2)
@@ -341,12 +341,56 @@ def test_policies_with_key_tables_are_refused_where_not_wired():
             policy, num_pages=4, page_size=64, num_heads=3, head_dim=64, dtype="float32",
             num_loops=1, max_seqs=1,
         )  # fmt: skip
-    from kvq_torch_bridge.model_eval.cli import _policies
+    from kvq_torch_bridge.model_eval.evaluate import check_key_tables
+    from kvq_torch_bridge.model_eval.hooks import KVQuantizer
 
-    with pytest.raises(ValueError, match="does not run yet"):
-        _policies(types.SimpleNamespace(policies="int4-g64,intb-smollm2"))
-    assert "intb-smollm2" not in [p.name for p in _policies(types.SimpleNamespace(policies="all"))]
+    def loaded(model, layers):
+        config = types.SimpleNamespace(num_hidden_layers=layers)
+        return types.SimpleNamespace(
+            source={"model": model}, name=model, model=types.SimpleNamespace(config=config)
+        )
+
+    assert check_key_tables(policy, loaded("smollm2", 30)) is get_key_tables("smollm2")
+    with pytest.raises(ValueError, match="its key tables are for"):
+        check_key_tables(policy, loaded("tiny", 2))
+    with pytest.raises(ValueError, match=r"no key table for layers \[30\]"):
+        check_key_tables(policy, loaded("smollm2", 31))
+    with pytest.raises(ValueError, match="per-layer key tables"):
+        KVQuantizer(policy, None, base_implementation="eager")
     with pytest.raises(ValueError, match="names its value formats"):
         Policy("x", "intb", "intb", key_tables="smollm2")
     with pytest.raises(TypeError, match="key_tables"):
         Policy("x", "intb", "intb", v_base_format="int4", key_tables=3)
+
+
+def test_conformance_vectors_cover_intb_and_catch_a_wrong_code():
+    """The INTB vectors (oracle-made): both stacks pass them after registering each table;
+    one flipped code bit fails exactly the non-empty cases."""
+    import dataclasses
+
+    import kvq_torch_bridge as kt
+    from kvq_jax.conformance import check_pack, load_vectors
+    from kvq_jax.formats.intb import register_table as jax_register
+    from kvq_torch_bridge.formats.intb import register_table as torch_register
+
+    cases = [c for c in load_vectors() if c.bits is not None]
+    assert len(cases) >= 40 and {c.kind for c in cases} == {"key", "value"}
+    widths = {b for c in cases for row in c.bits for b in row}
+    assert widths == set(range(1, 9))
+    for pack, unpack, kind, register in (
+        (kvq_jax.pack_kv, kvq_jax.unpack_kv, "jax", jax_register),
+        (kt.pack_kv, kt.unpack_kv, "torch", torch_register),
+    ):
+        results = check_pack(
+            pack, unpack_fn=unpack, input_kind=kind, cases=cases, register_table=register
+        )
+        assert all(r.passed for r in results), (kind, [r.detail for r in results if not r.passed])
+
+    def flipped(values, **kwargs):
+        packed = kvq_jax.pack_kv(values, **kwargs)
+        if packed.codes.size == 0:
+            return packed
+        return dataclasses.replace(packed, codes=packed.codes.at[(0,) * packed.codes.ndim].add(1))
+
+    results = check_pack(flipped, cases=cases, register_table=jax_register)
+    assert {r.name for r in results if not r.passed} == {c.name for c in cases if c.values.size}

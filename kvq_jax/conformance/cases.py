@@ -8,6 +8,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from kvq_jax.core.layouts import check_bit_table, intb_name
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = (BF16, np.dtype(np.float16), np.dtype(np.float32))
 F32 = np.float32
@@ -88,21 +90,23 @@ def _special(rng) -> dict[str, np.ndarray]:
 
 
 def build_cases() -> list[dict]:
-    """Every case as a dict: name, values (numpy), format, kind, axis, group_size."""
+    """Every case as a dict: name, values (numpy), format, kind, axis, group_size (and bits,
+    the bit table, for INTB)."""
     rng = np.random.default_rng(20261129)
     cases = []
 
-    def add(name, values, fmt, kind, axis=None, group_size=None):
-        cases.append(
-            dict(
-                name=name,
-                values=np.array(values, order="C"),
-                format=fmt,
-                kind=kind,
-                axis=axis,
-                group_size=group_size,
-            )
+    def add(name, values, fmt, kind, axis=None, group_size=None, bits=None):
+        case = dict(
+            name=name,
+            values=np.array(values, order="C"),
+            format=fmt if bits is None else intb_name(bits),
+            kind=kind,
+            axis=axis,
+            group_size=group_size,
         )
+        if bits is not None:
+            case["bits"] = check_bit_table(bits)
+        cases.append(case)
 
     shapes = {"T1": (1, 2, 8), "oddD": (19, 2, 7), "partial": (37, 3, 20), "D1": (6, 1, 1)}
     for dtype in DTYPES:
@@ -150,6 +154,7 @@ def build_cases() -> list[dict]:
         group_size=5,
     )
     _add_int2(add, rng)
+    _add_intb(add, rng)
     return cases
 
 
@@ -173,3 +178,52 @@ def _add_int2(add, rng) -> None:
     for name, values in _special(rng).items():
         add(f"special/{name}/int2/key", values, "int2", "key", group_size=4)
         add(f"special/{name}/int2/value", values.astype(BF16), "int2", "value", group_size=4)
+
+
+def _bit_table(rng, heads: int, channels: int) -> tuple[tuple[int, ...], ...]:
+    """Random INTB widths in 1..8 per (head, channel), every row summing to the same
+    multiple of 8 (widths raised one at a time, lowest channels first, to get there)."""
+    rows = rng.integers(1, 9, (heads, channels))
+    target = -(-int(rows.sum(axis=1).max()) // 8) * 8
+    if target > 8 * channels:
+        target -= 8
+    for row in rows:
+        while row.sum() > target:
+            row[int(np.argmax(row))] -= 1
+        while row.sum() < target:
+            row[int(np.argmin(row))] += 1
+    return check_bit_table(rows)
+
+
+def _add_intb(add, rng) -> None:
+    """The INTB cases (FORMAT.md 2b; after every other case, so the earlier cases keep their
+    indices): random tables with codes straddling bytes, all-1 and all-8 tables, token
+    groups of 1 to 128, keys and values (always over tokens), edge values."""
+    shapes = {"T1": (1, 2, 8), "oddD": (19, 2, 7), "partial": (37, 3, 20), "D1": (6, 1, 8)}
+    for dtype in DTYPES:
+        dn = {BF16: "bf16"}.get(dtype, str(dtype).replace("float", "fp"))
+        for sname, shape in shapes.items():
+            x = _kv_like(rng, shape, dtype)
+            bits = _bit_table(rng, shape[1], shape[2])
+            for kind in ("key", "value"):
+                add(f"{sname}/{dn}/intb/{kind}", x, "intb", kind, group_size=16, bits=bits)
+        add(f"empty/{dn}/intb", np.zeros((0, 2, 8), dtype), "intb", "key", bits=((4,) * 8,) * 2)
+    x = _kv_like(rng, (70, 2, 24), BF16)
+    bits = _bit_table(rng, 2, 24)
+    for g in (1, 3, 64, 128):
+        add(f"intb_group/{g}/tokens", x, "intb", "key", group_size=g, bits=bits)
+    add("intb_group/default/key", x, "intb", "key", bits=bits)
+    add("intb_widths/all1", x, "intb", "key", group_size=8, bits=((1,) * 24,) * 2)
+    add("intb_widths/all8", x, "intb", "value", group_size=8, bits=((8,) * 24,) * 2)
+    add("ties/intb", _int4_ties(), "intb", "key", group_size=16, bits=((4, 4, 8),))
+    for name, values in _special(rng).items():
+        bits = _bit_table(rng, values.shape[1], values.shape[2])
+        add(f"special/{name}/intb/key", values, "intb", "key", group_size=4, bits=bits)
+        add(
+            f"special/{name}/intb/value",
+            values.astype(BF16),
+            "intb",
+            "value",
+            group_size=4,
+            bits=bits,
+        )

@@ -16,12 +16,14 @@ def generate() -> list[Case]:
     """Every case of `cases.build_cases`, with the oracle's arrays and decoded output."""
     out = []
     for c in build_cases():
+        bits = c.get("bits")
         enc = oracle.pack(
             c["values"],
-            format=c["format"],
+            format="intb" if bits is not None else c["format"],
             kind=c["kind"],
             group_size=c["group_size"],
             axis=c["axis"],
+            **({} if bits is None else {"bits": bits}),
         )
         out.append(
             Case(
@@ -33,6 +35,7 @@ def generate() -> list[Case]:
                 values=c["values"],
                 arrays=dict(enc.arrays),
                 decoded=oracle.unpack(enc),
+                bits=bits,
             )
         )
     return out

@@ -4,7 +4,11 @@
     print(format_report(results))
 
 `pack_fn(values, *, kind, format, group_size, axis)` may return an object with the array
-fields as attributes (kvq's PackedKV) or a dict of them; arrays may be numpy, JAX or torch
+fields as attributes (kvq's PackedKV) or a dict of them. A table-format case (INTB, FORMAT.md
+2b: `case.bits` set, `case.format` the table's registry name) runs only when `register_table`
+is given: it is called with the table before the case (kvq's stacks:
+`kvq_jax.formats.intb.register_table`, `kvq_torch_bridge.formats.intb.register_table`);
+without it the case is reported as skipped; arrays may be numpy, JAX or torch
 (CPU or CUDA). Arrays are compared as raw bytes; decoded values too, except that a NaN
 expected anywhere only has to be a NaN (decoded NaN payloads depend on the device).
 """
@@ -29,6 +33,7 @@ class CaseResult:
     format: str
     passed: bool
     detail: str = ""
+    skipped: bool = False
 
 
 def to_numpy(x) -> np.ndarray:
@@ -85,8 +90,14 @@ def _first_difference(actual: np.ndarray, expected: np.ndarray, nan_ok: bool) ->
     return f"{int((~same).sum())} elements differ, first at {idx}: got {a[i]!r}, expected {e[i]!r}"
 
 
-def check_case(case: Case, pack_fn, unpack_fn=None, input_kind: str = "numpy") -> CaseResult:
+def check_case(
+    case: Case, pack_fn, unpack_fn=None, input_kind: str = "numpy", register_table=None
+) -> CaseResult:
+    if case.bits is not None and register_table is None:
+        return CaseResult(case.name, case.format, False, "table format: no register_table", True)
     try:
+        if case.bits is not None:
+            register_table(case.bits)
         packed = pack_fn(_convert_input(case.values, input_kind), **case.pack_args)
         for field, expected in case.arrays.items():
             got = packed[field] if isinstance(packed, dict) else getattr(packed, field, None)
@@ -106,25 +117,39 @@ def check_case(case: Case, pack_fn, unpack_fn=None, input_kind: str = "numpy") -
 
 
 def check_pack(
-    pack_fn, *, unpack_fn=None, input_kind: str = "numpy", cases: list[Case] | None = None
+    pack_fn,
+    *,
+    unpack_fn=None,
+    input_kind: str = "numpy",
+    cases: list[Case] | None = None,
+    register_table=None,
 ) -> list[CaseResult]:
-    """Run every vector (default: the shipped file) through `pack_fn` (and `unpack_fn`)."""
+    """Run every vector (default: the shipped file) through `pack_fn` (and `unpack_fn`);
+    `register_table(bits)` registers a table format first (None: those cases are skipped)."""
     if input_kind not in INPUT_KINDS:
         raise ValueError(f"input_kind must be one of {INPUT_KINDS}, got {input_kind!r}")
     cases = load_vectors() if cases is None else cases
-    return [check_case(c, pack_fn, unpack_fn, input_kind) for c in cases]
+    return [check_case(c, pack_fn, unpack_fn, input_kind, register_table) for c in cases]
 
 
 def format_report(results: list[CaseResult]) -> str:
     """A pass/fail table by case family and format, then every failure."""
-    table: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    table: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     for r in results:
-        table[(r.name.split("/")[0], r.format)][0 if r.passed else 1] += 1
-    lines = [f"{'family':<12} {'format':<9} {'pass':>5} {'fail':>5}", "-" * 34]
-    for (family, fmt), (ok, bad) in sorted(table.items()):
-        lines.append(f"{family:<12} {fmt:<9} {ok:>5} {bad:>5}" + ("   FAIL" if bad else ""))
+        fmt = "intb" if r.format.startswith("intb-") else r.format
+        table[(r.name.split("/")[0], fmt)][2 if r.skipped else 0 if r.passed else 1] += 1
+    lines = [f"{'family':<12} {'format':<9} {'pass':>5} {'fail':>5} {'skip':>5}", "-" * 40]
+    for (family, fmt), (ok, bad, skip) in sorted(table.items()):
+        flag = "   FAIL" if bad else ""
+        lines.append(f"{family:<12} {fmt:<9} {ok:>5} {bad:>5} {skip:>5}{flag}")
     passed = sum(r.passed for r in results)
-    lines.append("-" * 34)
-    lines.append(f"{passed} passed, {len(results) - passed} failed")
-    lines += [f"FAIL {r.name} [{r.format}]: {r.detail}" for r in results if not r.passed]
+    skipped = sum(r.skipped for r in results)
+    lines.append("-" * 40)
+    summary = f"{passed} passed, {len(results) - passed - skipped} failed"
+    if skipped:
+        summary += f", {skipped} skipped (table formats: pass --register-table)"
+    lines.append(summary)
+    lines += [
+        f"FAIL {r.name} [{r.format}]: {r.detail}" for r in results if not r.passed and not r.skipped
+    ]
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 File format (numpy .npz, every array stored as raw uint8 bytes so no custom dtype is needed):
   "manifest": a JSON document (uint8 UTF-8 bytes): {"version", "format_doc", "cases": [...]},
     each case {"name", "format", "kind", "axis", "group_size" (resolved), "input": spec,
-    "arrays": {field: spec}, "decoded": spec}, a spec being {"dtype", "shape", "key"};
+    "arrays": {field: spec}, "decoded": spec}, a spec being {"dtype", "shape", "key"}, and
+    for a table format (INTB, FORMAT.md 2b) "bits": the bit table as [H][D] ints (the case's
+    format is then the table's registry name, `kvq_jax.core.layouts.intb_name`);
   one entry per spec "key" with the raw bytes.
 """
 
@@ -39,6 +41,7 @@ class Case:
     values: np.ndarray
     arrays: dict[str, np.ndarray]
     decoded: np.ndarray
+    bits: tuple[tuple[int, ...], ...] | None = None  # INTB's bit table (format = its name)
 
     @property
     def pack_args(self) -> dict:
@@ -72,6 +75,8 @@ def save_vectors(cases: list[Case], path=VECTORS_PATH) -> None:
                 "decoded": _spec(store, f"{i}/decoded", c.decoded),
             }
         )
+        if c.bits is not None:
+            manifest[-1]["bits"] = [list(row) for row in c.bits]
     doc = {"version": VERSION, "format_doc": "docs/FORMAT.md", "cases": manifest}
     store["manifest"] = np.frombuffer(json.dumps(doc, indent=1).encode(), np.uint8)
     np.savez_compressed(path, **store)
@@ -93,6 +98,7 @@ def load_vectors(path=VECTORS_PATH) -> list[Case]:
                 values=_array(data, c["input"]),
                 arrays={k: _array(data, s) for k, s in c["arrays"].items()},
                 decoded=_array(data, c["decoded"]),
+                bits=tuple(tuple(row) for row in c["bits"]) if "bits" in c else None,
             )
             for c in doc["cases"]
         ]

@@ -11,7 +11,9 @@ most weighted error is optimal (greedy marginal allocation).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import pathlib
 
 import numpy as np
 
@@ -155,3 +157,16 @@ def load_key_tables(path) -> KeyTables:
         group_size=check_group_size(int(meta["group_size"])),
         source=str(meta["source"]),
     )
+
+
+#: Shipped table sets: name -> file beside the embedded capture (kvq_jax/report/data).
+SHIPPED_KEY_TABLES = {"smollm2": "intb_smollm2.npz"}
+_DATA = pathlib.Path(__file__).resolve().parents[1] / "report" / "data"
+
+
+@functools.cache
+def get_key_tables(name: str) -> KeyTables:
+    """The shipped table set `name` (a policy's `key_tables`), or a ValueError listing them."""
+    if name not in SHIPPED_KEY_TABLES:
+        raise ValueError(f"key_tables must be one of {sorted(SHIPPED_KEY_TABLES)}, got {name!r}")
+    return load_key_tables(_DATA / SHIPPED_KEY_TABLES[name])

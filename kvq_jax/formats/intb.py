@@ -66,3 +66,15 @@ class IntBCodec(IntBLayout, Codec):
             layout.split(codes, 0), packed.minimum, packed.scale, layout.member_axis
         )
         return layout.merge(out).astype(dtype)
+
+
+def register_table(bits) -> str:
+    """Register the INTB format of bit table `bits` in the JAX registry unless a codec of
+    that name is there already; returns the name (`intb_name(bits)`). The conformance
+    runner's `register_table` for this stack."""
+    from kvq_jax.registry import CODECS, register_codec
+
+    codec = IntBCodec(bits)
+    if codec.name not in CODECS:
+        register_codec(codec)
+    return codec.name

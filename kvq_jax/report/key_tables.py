@@ -2,29 +2,17 @@
 
 A policy with `key_tables="smollm2"` stores each layer's keys in the INTB format of that
 model layer's bit table (FORMAT.md section 2b). The tables come from `intb_<name>.npz` beside
-the embedded capture, written by `python -m kvq_jax.report.calibrate`; the formats are
-registered in the JAX registry under their table-derived names when first used.
+the embedded capture (`kvq_jax.core.calibration.get_key_tables`), written by
+`python -m kvq_jax.report.calibrate`; the formats are registered in the JAX registry under
+their table-derived names when first used.
 """
 
 from __future__ import annotations
 
-import functools
-import pathlib
-
-from kvq_jax.core.calibration import KeyTables, load_key_tables
+from kvq_jax.core.calibration import get_key_tables
 from kvq_jax.core.policies import Policy
 
-DATA = pathlib.Path(__file__).with_name("data")
-#: Table-set name -> file in `DATA`.
-KEY_TABLE_FILES = {"smollm2": "intb_smollm2.npz"}
-
-
-@functools.cache
-def get_key_tables(name: str) -> KeyTables:
-    """The shipped table set `name`, or a ValueError listing the known names."""
-    if name not in KEY_TABLE_FILES:
-        raise ValueError(f"key_tables must be one of {sorted(KEY_TABLE_FILES)}, got {name!r}")
-    return load_key_tables(DATA / KEY_TABLE_FILES[name])
+__all__ = ["capture_model", "get_key_tables", "layer_policies"]
 
 
 def capture_model(meta: dict) -> str | None:

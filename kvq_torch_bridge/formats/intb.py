@@ -72,3 +72,15 @@ class IntBCodec(IntBLayout, Codec):
         codes = unpack_stream(packed.codes, *self.code_maps())
         out = dequantize(codes, packed.minimum, packed.scale, layout)
         return out.to(torch_dtype(dtype)).contiguous()
+
+
+def register_table(bits) -> str:
+    """Register the INTB format of bit table `bits` in the Torch registry unless a codec of
+    that name is there already; returns the name (`intb_name(bits)`). The conformance
+    runner's `register_table` for this stack."""
+    from kvq_torch_bridge.registry import CODECS, register_codec
+
+    codec = IntBCodec(bits)
+    if codec.name not in CODECS:
+        register_codec(codec)
+    return codec.name

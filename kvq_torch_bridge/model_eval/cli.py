@@ -92,16 +92,26 @@ def _policies(args):
     from kvq_jax.core.policies import parse_policies
 
     text = getattr(args, "policies", None)
-    policies = parse_policies(text)
-    tabled = [p.name for p in policies if p.key_tables is not None]
-    if tabled and text not in (None, "all"):
-        raise ValueError(
-            f"policies {tabled} store keys with per-layer INTB tables, which the model "
-            "evaluation does not run yet (kvq report on a capture does)"
-        )
-    if tabled:
-        print(f"kvq report: skipping {', '.join(tabled)} (per-layer key tables)", file=sys.stderr)
-    return [p for p in policies if p.key_tables is None]
+    return parse_policies(text)
+
+
+def _fitting_policies(args, policies, loaded):
+    """`policies` without the key-table policies whose tables are not for `loaded` (skipped,
+    saying why, when the policies are "all"; a ValueError when asked for by name)."""
+    from kvq_torch_bridge.model_eval.evaluate import check_key_tables
+
+    kept = []
+    for policy in policies:
+        if policy.key_tables is not None:
+            try:
+                check_key_tables(policy, loaded)
+            except ValueError as e:
+                if getattr(args, "policies", None) not in (None, "all"):
+                    raise
+                print(f"kvq report: skipping {policy.name}: {e}", file=sys.stderr)
+                continue
+        kept.append(policy)
+    return kept
 
 
 def _windows(args, loaded):
@@ -200,6 +210,11 @@ def run_model_report(args) -> int:
         trust_remote_code=getattr(args, "trust_remote_code", False),
     )
     log(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s; loops: {loaded.loop_label}")
+    try:
+        policies = _fitting_policies(args, policies, loaded)
+    except ValueError as e:
+        print(f"kvq report: error: {e}", file=sys.stderr)
+        return 2
     windows = _windows(args, loaded)
     ids = np.stack([w.ids for w in windows])
     result = evaluate_policies(

@@ -24,6 +24,14 @@ class TorchLoopCoder:
 
     name = "torch"
 
+    @staticmethod
+    def register_intb(table) -> str:
+        """Register the INTB format of bit table `table` in the Torch registry (once);
+        returns its name."""
+        from kvq_torch_bridge.formats.intb import register_table
+
+        return register_table(table)
+
     def base(self, x: torch.Tensor, policy: Policy, kind: str) -> torch.Tensor:
         fmt, group = policy.stream(kind, 0)
         packed = pack_kv(x, kind=kind, format=fmt, group_size=group, window=policy.window)
@@ -52,6 +60,14 @@ class JaxLoopCoder:
     """
 
     name = "jax"
+
+    @staticmethod
+    def register_intb(table) -> str:
+        """Register the INTB format of bit table `table` in the JAX registry (once); returns
+        its name."""
+        from kvq_jax.formats.intb import register_table
+
+        return register_table(table)
 
     @staticmethod
     def _to_jax(x: torch.Tensor):

@@ -46,6 +46,37 @@ def _forward(loaded: LoadedModel, ids, keep, quantizer=None):
         )
 
 
+def check_key_tables(policy: Policy, loaded: LoadedModel):
+    """The shipped key tables of a `key_tables` policy, if they are for `loaded`'s model and
+    cover its layers; else a ValueError saying why."""
+    from kvq_jax.core.calibration import get_key_tables
+
+    tables = get_key_tables(policy.key_tables)
+    model = loaded.source.get("model") if isinstance(loaded.source, dict) else None
+    if model not in tables.models and loaded.name not in tables.models:
+        raise ValueError(
+            f"policy {policy.name!r}: its key tables are for {' / '.join(tables.models)}, "
+            f"not {loaded.name}"
+        )
+    num_layers = int(loaded.model.config.num_hidden_layers)
+    missing = sorted(set(range(num_layers)) - set(tables.tables))
+    if missing:
+        raise ValueError(f"policy {policy.name!r}: no key table for layers {missing}")
+    return tables
+
+
+def layer_policies(policy: Policy, loaded: LoadedModel, coder) -> dict[int, Policy] | None:
+    """Model layer -> its policy, for a `key_tables` policy (each layer's INTB format
+    registered in the coder's stack); None for any other policy."""
+    if policy.key_tables is None:
+        return None
+    tables = check_key_tables(policy, loaded)
+    return {
+        layer: policy.for_key_format(coder.register_intb(table))
+        for layer, table in tables.tables.items()
+    }
+
+
 def evaluate_policies(
     loaded: LoadedModel,
     windows: np.ndarray,
@@ -87,8 +118,11 @@ def evaluate_policies(
 
     def one(policy: Policy) -> PolicyResult:
         t = time.perf_counter()
+        layers = layer_policies(policy, loaded, coder)
         logits, quantizers = run(
-            lambda: KVQuantizer(policy, coder, base_implementation=base_impl, record=record)
+            lambda: KVQuantizer(
+                policy, coder, base_implementation=base_impl, record=record, layers=layers
+            )
         )
         seconds = time.perf_counter() - t
         res = PolicyResult(

@@ -52,6 +52,8 @@ class KVQuantizer:
       passed on to attention ("k_out", "v_out"), the query ("q") and the attention output
       ("attn_out"), all [B, T, heads, D] copies, in `records` (for tests and captures).
     record_layers: restrict `records` to these layers (None: every layer).
+    layers: model layer -> that layer's policy, for a policy with per-layer key tables
+      (`evaluate.layer_policies`); None: `policy` for every layer.
     """
 
     def __init__(
@@ -62,8 +64,15 @@ class KVQuantizer:
         base_implementation: str,
         record: bool = False,
         record_layers=None,
+        layers=None,
     ):
+        if policy.key_tables is not None and layers is None:
+            raise ValueError(
+                f"layers: policy {policy.name!r} has per-layer key tables; pass each layer's "
+                "policy (model_eval.evaluate.layer_policies)"
+            )
         self.policy = policy
+        self.layers = layers
         self.coder = coder
         self.base_implementation = base_implementation
         self.loop = 0
@@ -80,12 +89,13 @@ class KVQuantizer:
         """x [B, H, T, D] -> its reconstruction, same layout and dtype."""
         out = []
         previous = self._recon.get((layer, kind))
+        policy = self.policy if self.layers is None else self.layers[layer]
         for b in range(x.shape[0]):
             rows = x[b].transpose(0, 1)  # [T, H, D], as kvq codes it
             if self.loop == 0:
-                recon = self.coder.base(rows, self.policy, kind)
+                recon = self.coder.base(rows, policy, kind)
             else:
-                recon = self.coder.residual(rows, previous[b], self.policy, kind, self.loop)
+                recon = self.coder.residual(rows, previous[b], policy, kind, self.loop)
             out.append(recon)
         self._recon[(layer, kind)] = out
         return torch.stack(out).transpose(1, 2)
