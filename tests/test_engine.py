@@ -203,6 +203,53 @@ def test_quantized_pages_are_the_codecs(tiny_llama, tiny_ouro, arch, policy):
             np.testing.assert_array_equal(np.asarray(got)[:2], np.asarray(exp))
 
 
+def test_per_layer_key_tables_give_each_layer_its_intb_pages(tiny_llama, monkeypatch):
+    """A policy with per-layer INTB key tables: each layer's cache holds its own format, and
+    its pages are the paged cache's own appends of the model's K/V under that layer's config;
+    tables for another model, or missing a layer, are refused when the engine is built."""
+    from kvq_jax.core import calibration
+    from kvq_jax.core.policies import Policy
+    from kvq_jax.formats.intb import register_table
+
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((8, 1, 3) * 20 + (4, 4, 4, 4), (3, 5) * 32)}
+    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test")
+    monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
+    policy = Policy("kt", "intb", "intb", group_size=16, v_base_format="int4",
+                    v_residual_format="int4", key_tables="tiny-tables")  # fmt: skip
+    page_size = 16
+    prompt = prompt_of(2 * page_size + 5, seed=4)
+    engine = Engine(tiny_llama, policy, num_pages=3, page_size=page_size, max_seqs=1,
+                    max_pages_per_seq=3, prefill_chunk=len(prompt))  # fmt: skip
+    names = [register_table(tables[i]) for i in range(2)]
+    assert [c.k_base_format for c in engine.cache_configs] == names
+    assert {c.v_base_format for c in engine.cache_configs} == {"int4"}
+    engine.add_request(prompt, max_new_tokens=1)
+    kv = _model_kv(tiny_llama, prompt, None, page_size, 3)
+    block = jnp.asarray([[0, 1, 2]], jnp.int32)
+    for i, cache in enumerate(engine.caches):
+        ref = paged_cache.init_cache(engine.cache_configs[i])
+        for loop, (k, v) in enumerate(kv[i]):
+            ref = paged_cache.append(ref, k, v, block_tables=block, seq_ids=jnp.asarray([0]),
+                                     loop=loop)  # fmt: skip
+        for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert engine.caches[0].k_base.codes.shape != engine.caches[1].k_base.codes.shape or (
+        not np.array_equal(engine.caches[0].k_base.codes, engine.caches[1].k_base.codes)
+    )
+    other = calibration.KeyTables(("smollm2",), tables, 16, "test")
+    monkeypatch.setattr(calibration, "get_key_tables", lambda name: other)
+    with pytest.raises(ValueError, match="its key tables are for smollm2, not 'tiny'"):
+        Engine(
+            tiny_llama, policy, num_pages=3, page_size=page_size, max_seqs=1, max_pages_per_seq=3
+        )
+    short = calibration.KeyTables(("tiny",), {0: tables[0]}, 16, "test")
+    monkeypatch.setattr(calibration, "get_key_tables", lambda name: short)
+    with pytest.raises(ValueError, match=r"no key table for layers \[1\]"):
+        Engine(
+            tiny_llama, policy, num_pages=3, page_size=page_size, max_seqs=1, max_pages_per_seq=3
+        )
+
+
 # -- continuous batching ------------------------------------------------------------------------
 
 REQUESTS = [  # (prompt length, seed, max_new_tokens, sampling)

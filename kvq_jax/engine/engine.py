@@ -78,7 +78,14 @@ from kvq_jax.core.policies import POLICIES, Policy
 from kvq_jax.models import architecture, ouro
 from kvq_jax.models.config import ModelConfig
 
-__all__ = ["Engine", "RawPagedStore", "Request", "cache_config_for", "resolve_policy"]
+__all__ = [
+    "Engine",
+    "RawPagedStore",
+    "Request",
+    "cache_config_for",
+    "layer_policies",
+    "resolve_policy",
+]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -92,6 +99,32 @@ def resolve_policy(policy: str | Policy) -> Policy:
     return POLICIES[policy]
 
 
+def layer_policies(policy: Policy, model) -> tuple[Policy, ...]:
+    """One policy per layer of `model`: `policy` itself, or for a policy with per-layer INTB
+    key tables (`Policy.key_tables`) each layer's own, its INTB format registered in the JAX
+    registry. ValueError when the tables are not for this model (its `source` "model") or
+    miss one of its layers."""
+    num_layers = model.config.num_layers
+    if policy.key_tables is None:
+        return (policy,) * num_layers
+    from kvq_jax.core.calibration import get_key_tables
+    from kvq_jax.formats.intb import register_table
+
+    tables = get_key_tables(policy.key_tables)
+    name = model.source.get("model") if isinstance(model.source, dict) else None
+    if name not in tables.models:
+        raise ValueError(
+            f"policy {policy.name!r}: its key tables are for {' / '.join(tables.models)}, not "
+            f"{name!r}"
+        )
+    missing = sorted(set(range(num_layers)) - set(tables.tables))
+    if missing:
+        raise ValueError(f"policy {policy.name!r}: no key table for layers {missing}")
+    return tuple(
+        policy.for_key_format(register_table(tables.table(layer))) for layer in range(num_layers)
+    )
+
+
 def cache_config_for(
     policy: Policy, *, num_pages, page_size, num_heads, head_dim, dtype, num_loops, max_seqs
 ) -> PagedCacheConfig:
@@ -102,8 +135,7 @@ def cache_config_for(
     if policy.key_tables is not None:
         raise ValueError(
             f"policy {policy.name!r} stores keys with per-layer INTB tables "
-            f"({policy.key_tables}); the engine builds one cache configuration for every "
-            "layer: register a layer's IntBCodec and use its name as a format instead"
+            f"({policy.key_tables}): take one layer's policy (layer_policies) first"
         )
     for kind in ("key", "value"):
         if policy.absolute_loops(kind, num_loops):
@@ -433,15 +465,24 @@ class Engine:
         self.allocator = PageAllocator(num_pages, page_size, max_seqs, max_pages_per_seq)
         dims = dict(num_heads=config.num_kv_heads, head_dim=config.head_dim)
         if self.policy.quantized:
-            self.cache_config = cache_config_for(
-                self.policy, num_pages=num_pages, page_size=page_size, dtype=self.dtype,
-                num_loops=config.num_loops, max_seqs=max_seqs, **dims,
-            )  # fmt: skip
-            self.caches = tuple(
-                paged_cache.init_cache(self.cache_config) for _ in range(config.num_layers)
+            #: each layer's cache configuration (they differ only in per-layer key tables)
+            self.cache_configs = tuple(
+                cache_config_for(
+                    layer_policy,
+                    num_pages=num_pages,
+                    page_size=page_size,
+                    dtype=self.dtype,
+                    num_loops=config.num_loops,
+                    max_seqs=max_seqs,
+                    **dims,
+                )
+                for layer_policy in layer_policies(self.policy, model)
             )
+            self.cache_config = self.cache_configs[0]
+            self.caches = tuple(paged_cache.init_cache(c) for c in self.cache_configs)
         else:
             self.cache_config = None
+            self.cache_configs = None
             self.caches = tuple(
                 RawPagedStore.empty(
                     config.num_loops, num_pages, page_size, *dims.values(), self.dtype
