@@ -120,6 +120,19 @@ class KeyTables:
     group_size: int
     source: str
 
+    def check_fit(self, policy_name: str, model_names, num_layers: int) -> None:
+        """ValueError unless one of `model_names` (the names a model goes by; the first is
+        quoted) is among `models` and every layer in [0, num_layers) has a table."""
+        names = list(model_names)
+        if not any(name in self.models for name in names):
+            raise ValueError(
+                f"policy {policy_name!r}: its key tables are for {' / '.join(self.models)}, "
+                f"not {names[0]!r}"
+            )
+        missing = sorted(set(range(num_layers)) - set(self.tables))
+        if missing:
+            raise ValueError(f"policy {policy_name!r}: no key table for layers {missing}")
+
     def table(self, layer: int) -> tuple[tuple[int, ...], ...]:
         """The bit table of model layer `layer`, or a ValueError listing the layers held."""
         try:

@@ -112,14 +112,7 @@ def layer_policies(policy: Policy, model) -> tuple[Policy, ...]:
 
     tables = get_key_tables(policy.key_tables)
     name = model.source.get("model") if isinstance(model.source, dict) else None
-    if name not in tables.models:
-        raise ValueError(
-            f"policy {policy.name!r}: its key tables are for {' / '.join(tables.models)}, not "
-            f"{name!r}"
-        )
-    missing = sorted(set(range(num_layers)) - set(tables.tables))
-    if missing:
-        raise ValueError(f"policy {policy.name!r}: no key table for layers {missing}")
+    tables.check_fit(policy.name, [name], num_layers)
     return tuple(
         policy.for_key_format(register_table(tables.table(layer))) for layer in range(num_layers)
     )

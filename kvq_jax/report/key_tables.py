@@ -30,8 +30,7 @@ def layer_policies(policy: Policy, meta: dict, shape) -> list[Policy]:
     layer); shape: the capture's k shape [W, L, N, T, H, D]. Raises ValueError saying why the
     tables do not fit this capture.
     """
-    from kvq_jax.formats.intb import IntBCodec
-    from kvq_jax.registry import CODECS, register_codec
+    from kvq_jax.formats.intb import register_table
 
     tables = get_key_tables(policy.key_tables)
     model = capture_model(meta)
@@ -54,13 +53,11 @@ def layer_policies(policy: Policy, meta: dict, shape) -> list[Policy]:
         )
     out = []
     for layer in layers:
-        codec = IntBCodec(tables.table(layer))
-        if codec.table_shape != (heads, dim):
+        table = tables.table(layer)
+        if (len(table), len(table[0])) != (heads, dim):
             raise ValueError(
-                f"policy {policy.name!r}: layer {layer}'s table is for {codec.table_shape} "
-                f"(heads, dim), the capture has ({heads}, {dim})"
+                f"policy {policy.name!r}: layer {layer}'s table is for "
+                f"{(len(table), len(table[0]))} (heads, dim), the capture has ({heads}, {dim})"
             )
-        if codec.name not in CODECS:
-            register_codec(codec)
-        out.append(policy.for_key_format(codec.name))
+        out.append(policy.for_key_format(register_table(table)))
     return out

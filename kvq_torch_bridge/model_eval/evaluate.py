@@ -53,15 +53,7 @@ def check_key_tables(policy: Policy, loaded: LoadedModel):
 
     tables = get_key_tables(policy.key_tables)
     model = loaded.source.get("model") if isinstance(loaded.source, dict) else None
-    if model not in tables.models and loaded.name not in tables.models:
-        raise ValueError(
-            f"policy {policy.name!r}: its key tables are for {' / '.join(tables.models)}, "
-            f"not {loaded.name}"
-        )
-    num_layers = int(loaded.model.config.num_hidden_layers)
-    missing = sorted(set(range(num_layers)) - set(tables.tables))
-    if missing:
-        raise ValueError(f"policy {policy.name!r}: no key table for layers {missing}")
+    tables.check_fit(policy.name, [loaded.name, model], int(loaded.model.config.num_hidden_layers))
     return tables
 
 
