@@ -21,7 +21,7 @@ from helpers import assert_same_bytes, assert_same_values
 
 import kvq_jax
 from kvq_jax import oracle
-from kvq_jax.oracle import intb
+from kvq_jax.oracle import intb, scalar
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -407,9 +407,9 @@ def test_planted_defect_2_to_the_b_levels_is_caught(codecs, monkeypatch):
     def wrong_levels(xs, width):
         codes, min_bits, _ = original(xs, width)
         mn, mx = min(xs), max(xs)
-        span = intb.sub(mx, 0.0 if mn == 0.0 else mn)
-        scale = intb.div(span, float(2**width)) if span > 0.0 else 1.0
-        return codes, min_bits, intb.f16_bits(scale)
+        span = scalar.sub(mx, 0.0 if mn == 0.0 else mn)
+        scale = scalar.div(span, float(2**width)) if span > 0.0 else 1.0
+        return codes, min_bits, scalar.f16_bits(scale)
 
     original = intb.encode_group
     monkeypatch.setattr(intb, "encode_group", wrong_levels)

@@ -19,51 +19,21 @@ Inputs to `encode` are flat lists of float32 values that were already flushed on
 
 from __future__ import annotations
 
-import math
-
-from kvq_jax.oracle import layout
+from kvq_jax.oracle import affine, layout
 from kvq_jax.oracle.scalar import (
-    F16_NAN_BITS,
     add,
     bits_to_f16,
-    div,
-    f16_bits,
-    is_nan,
     mul,
-    sub,
 )
 
 #: Largest code.
 CODE_MAX = 3
-#: The scale's divisor: span / 3 (IEEE division).
-LEVELS = 3.0
-
-
-def round_code(q: float) -> int:
-    """clamp(round_half_even(q), 0, 3) as an int; NaN gives 0 (clamp first: the bounds are
-    integers, so clamping before rounding gives the same integer and keeps inf out)."""
-    if is_nan(q):
-        return 0
-    q = min(max(q, 0.0), float(CODE_MAX))
-    whole = math.floor(q)
-    fraction = q - whole  # exact: q < 4, a float32 value
-    if fraction > 0.5 or (fraction == 0.5 and whole % 2 == 1):
-        whole += 1
-    return int(whole)
 
 
 def encode_group(xs: list[float]) -> tuple[list[int], int, int]:
-    """One group's float32 values -> (codes 0..3, minimum f16 bits, scale f16 bits)."""
-    if not all(math.isfinite(x) for x in xs):
-        return [0] * len(xs), F16_NAN_BITS, F16_NAN_BITS
-    mn = min(xs)
-    mx = max(xs)
-    if mn == 0.0:
-        mn = 0.0  # -0.0 and +0.0 both become +0.0 (independent of reduction order)
-    span = sub(mx, mn)
-    scale = div(span, LEVELS) if span > 0.0 else 1.0
-    codes = [round_code(div(sub(x, mn), scale)) for x in xs]
-    return codes, f16_bits(mn), f16_bits(scale)
+    """One group's float32 values -> (codes 0..3, minimum f16 bits, scale f16 bits)
+    (`affine.encode_group` with L = 3)."""
+    return affine.encode_group(xs, CODE_MAX)
 
 
 def encode(xs: list[float], shape, axis: str, group_size: int) -> dict[str, list[int]]:

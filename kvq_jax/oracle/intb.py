@@ -27,19 +27,13 @@ Inputs to `encode` are flat lists of float32 values that were already flushed on
 
 from __future__ import annotations
 
-import math
 import numbers
 
-from kvq_jax.oracle import layout
+from kvq_jax.oracle import affine, layout
 from kvq_jax.oracle.scalar import (
-    F16_NAN_BITS,
     add,
     bits_to_f16,
-    div,
-    f16_bits,
-    is_nan,
     mul,
-    sub,
 )
 
 #: Smallest and largest bit width of one channel.
@@ -177,34 +171,10 @@ def unpack_stream(payload: list[int], shape, bits: Table) -> list[int]:
 # --------------------------------------------------------------------------- arithmetic
 
 
-def round_code(q: float, code_max: int) -> int:
-    """clamp(round_half_even(q), 0, code_max) as an int; NaN gives 0 (clamp first: the
-    bounds are integers, so clamping before rounding gives the same integer and keeps inf
-    out)."""
-    if is_nan(q):
-        return 0
-    q = min(max(q, 0.0), float(code_max))
-    whole = math.floor(q)
-    fraction = q - whole  # exact: q <= 255, a float32 value
-    if fraction > 0.5 or (fraction == 0.5 and whole % 2 == 1):
-        whole += 1
-    return int(whole)
-
-
 def encode_group(xs: list[float], width: int) -> tuple[list[int], int, int]:
     """One group's float32 values, `width`-bit codes -> (codes 0..L, minimum f16 bits,
-    scale f16 bits), ``L = 2**width - 1``."""
-    levels = 2**width - 1
-    if not all(math.isfinite(x) for x in xs):
-        return [0] * len(xs), F16_NAN_BITS, F16_NAN_BITS
-    mn = min(xs)
-    mx = max(xs)
-    if mn == 0.0:
-        mn = 0.0  # -0.0 and +0.0 both become +0.0 (independent of reduction order)
-    span = sub(mx, mn)
-    scale = div(span, float(levels)) if span > 0.0 else 1.0
-    codes = [round_code(div(sub(x, mn), scale), levels) for x in xs]
-    return codes, f16_bits(mn), f16_bits(scale)
+    scale f16 bits), ``L = 2**width - 1`` (`affine.encode_group`)."""
+    return affine.encode_group(xs, 2**width - 1)
 
 
 def _channel_of_group(m: int, shape) -> tuple[int, int]:
