@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvq_jax.core.registry import Registry
 from kvq_torch_bridge.codec import Codec
-from kvq_torch_bridge.formats import fp8_e4m3, int2, int4, nvfp4
+from kvq_torch_bridge.formats import fp8_e4m3, hadamard, int2, int4, nvfp4
 
 __all__ = ["CODECS", "get_codec", "register_codec", "unregister_codec"]
 
@@ -22,5 +22,5 @@ unregister_codec = CODECS.unregister
 get_codec = CODECS.get_codec
 
 
-for _codec in (int4.CODEC, nvfp4.CODEC, fp8_e4m3.CODEC, int2.CODEC):
+for _codec in (int4.CODEC, nvfp4.CODEC, fp8_e4m3.CODEC, int2.CODEC, hadamard.HINT4, hadamard.HINT2):
     register_codec(_codec)

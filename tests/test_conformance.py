@@ -11,7 +11,7 @@ import kvq_jax
 from kvq_jax import cli
 from kvq_jax.conformance import check_pack, load_vectors
 from kvq_jax.conformance.generate import generate
-from kvq_jax.core.constants import FORMATS
+from kvq_jax.core.constants import FORMATS, ROTATED_FORMATS
 from kvq_jax.core.layouts import intb_name
 from kvq_jax.formats.intb import register_table
 
@@ -36,7 +36,8 @@ def test_shipped_vectors_equal_a_fresh_oracle_run():
 
 
 def test_vectors_cover_formats_dtypes_and_edge_cases():
-    assert {c.format for c in CASES if c.bits is None} == set(FORMATS)  # every built-in one
+    # every built-in format
+    assert {c.format for c in CASES if c.bits is None} == {*FORMATS, *ROTATED_FORMATS}
     tables = [c for c in CASES if c.bits is not None]  # INTB: the format is the table's name
     assert len(tables) >= 40 and all(c.format == intb_name(c.bits) for c in tables)
     assert {c.values.dtype.name for c in CASES} == {"bfloat16", "float16", "float32"}

@@ -173,10 +173,12 @@ def _model_kv(model, prompt, loops, page_size, num_pages):
     return out
 
 
-@pytest.mark.parametrize("arch,policy", [("llama", "int4-g16+win"), ("ouro", "mixed+win")])
+@pytest.mark.parametrize(
+    "arch,policy", [("llama", "int4-g16+win"), ("ouro", "mixed+win"), ("llama", "int4-hint4+win")]
+)
 def test_quantized_pages_are_the_codecs(tiny_llama, tiny_ouro, arch, policy):
     model = tiny_llama if arch == "llama" else tiny_ouro
-    page_size = 64 if policy.startswith("mixed") else 16
+    page_size = 16 if policy.startswith("int4-g16") else 64
     prompt = prompt_of(2 * page_size + 5, seed=4)
     engine = Engine(model, policy, num_pages=3, page_size=page_size, max_seqs=1,
                     max_pages_per_seq=3, prefill_chunk=len(prompt))  # fmt: skip
@@ -214,15 +216,15 @@ def test_per_layer_key_tables_give_each_layer_its_intb_pages(tiny_llama, monkeyp
     tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((8, 1, 3) * 20 + (4, 4, 4, 4), (3, 5) * 32)}
     key_tables = calibration.KeyTables(("tiny",), tables, 16, "test")
     monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
-    policy = Policy("kt", "intb", "intb", group_size=16, v_base_format="int4",
-                    v_residual_format="int4", key_tables="tiny-tables")  # fmt: skip
+    policy = Policy("kt", "intb", "intb", group_size=16, v_base_format="hint4",
+                    v_residual_format="hint4", key_tables="tiny-tables")  # fmt: skip
     page_size = 16
     prompt = prompt_of(2 * page_size + 5, seed=4)
     engine = Engine(tiny_llama, policy, num_pages=3, page_size=page_size, max_seqs=1,
                     max_pages_per_seq=3, prefill_chunk=len(prompt))  # fmt: skip
     names = [register_table(tables[i]) for i in range(2)]
     assert [c.k_base_format for c in engine.cache_configs] == names
-    assert {c.v_base_format for c in engine.cache_configs} == {"int4"}
+    assert {c.v_base_format for c in engine.cache_configs} == {"hint4"}
     engine.add_request(prompt, max_new_tokens=1)
     kv = _model_kv(tiny_llama, prompt, None, page_size, 3)
     block = jnp.asarray([[0, 1, 2]], jnp.int32)

@@ -54,6 +54,16 @@ CONFIGS = {
         k_residual_format="int2",
         v_residual_format="int2",
     ),
+    # Hadamard-rotated formats (XLA path): key residuals HINT4 over tokens, values HINT4 base
+    # with HINT2 residuals, 4-token pages, 1 sink token, float16.
+    "hint-p4-f16": dict(
+        page_size=4,
+        sink=1,
+        dtype=np.float16,
+        k_residual_format="hint4",
+        v_base_format="hint4",
+        v_residual_format="hint2",
+    ),
 }
 
 

@@ -1010,7 +1010,8 @@ def test_registry():
         treg.register_codec(kq.get_codec("int4"))
     with pytest.raises(TypeError, match=r"codec must be a kvq_jax\.Codec"):
         kq.register_codec(treg.get_codec("int4"))
-    assert list(treg.CODECS) == list(kq.CODECS) == list(constants.FORMATS)
+    builtin = [*constants.FORMATS, *constants.ROTATED_FORMATS]
+    assert list(treg.CODECS) == list(kq.CODECS) == builtin
 
 
 def _run_everything(device):

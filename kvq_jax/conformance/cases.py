@@ -155,6 +155,7 @@ def build_cases() -> list[dict]:
     )
     _add_int2(add, rng)
     _add_intb(add, rng)
+    _add_hint(add, rng)
     return cases
 
 
@@ -227,3 +228,30 @@ def _add_intb(add, rng) -> None:
             group_size=4,
             bits=bits,
         )
+
+
+def _add_hint(add, rng) -> None:
+    """The HINT4 / HINT2 cases (FORMAT.md 2c; after every other case, so the earlier cases keep
+    their indices): D from 1 to 128, both axes, group sizes 1 to 128, edge values (their
+    channels zero-padded to a power of two)."""
+    shapes = {"T1": (1, 2, 8), "D1": (6, 1, 1), "D2": (9, 2, 2), "partial": (37, 3, 16)}
+    for fmt in ("hint4", "hint2"):
+        for dtype in DTYPES:
+            dn = {BF16: "bf16"}.get(dtype, str(dtype).replace("float", "fp"))
+            for sname, shape in shapes.items():
+                x = _kv_like(rng, shape, dtype)
+                for kind in ("key", "value"):
+                    add(f"{sname}/{dn}/{fmt}/{kind}", x, fmt, kind, group_size=8)
+            add(f"empty/{dn}/{fmt}", np.zeros((0, 2, 8), dtype), fmt, "value")
+        x = _kv_like(rng, (40, 2, 32), BF16)
+        for g in (1, 3, 32, 64):
+            add(f"{fmt}_group/{g}/tokens", x, fmt, "key", group_size=g)
+            add(f"{fmt}_group/{g}/channels", x, fmt, "value", group_size=g)
+        add(f"{fmt}_group/default/value", _kv_like(rng, (5, 2, 128), BF16), fmt, "value")
+        add(f"override/{fmt}/key_channels", x, fmt, "key", axis="channels", group_size=16)
+        for name, values in _special(rng).items():
+            d = values.shape[2]
+            pad = (1 << (d - 1).bit_length()) - d
+            values = np.pad(values, ((0, 0), (0, 0), (0, pad)))
+            add(f"special/{name}/{fmt}/key", values, fmt, "key", group_size=4)
+            add(f"special/{name}/{fmt}/value", values.astype(BF16), fmt, "value", group_size=4)

@@ -15,6 +15,9 @@ AXES = ("tokens", "channels")
 DEFAULT_AXIS = {"key": "tokens", "value": "channels"}
 #: Format names in registry order, and their default group sizes (fp8: D, resolved per call).
 FORMATS = ("int4", "nvfp4", "fp8_e4m3", "int2")
+#: Hadamard-rotated formats (FORMAT.md section 2c), registered after FORMATS: the base
+#: format's payload on rotated rows, D a power of two.
+ROTATED_FORMATS = ("hint4", "hint2")
 INT4_DEFAULT_GROUP_SIZE = 64
 INT2_DEFAULT_GROUP_SIZE = 64
 INTB_DEFAULT_GROUP_SIZE = 64

@@ -272,7 +272,49 @@ class FP8E4M3Layout(FormatLayout):
         return {"codes": ((t, h, d), _E4M3), "scale": ((t, h), _F32)}
 
 
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+class HadamardLayout(FormatLayout):
+    """A base affine format (INT4, INT2) of Hadamard-rotated (token, head) rows (FORMAT.md
+    section 2c): the base format's arrays, axes and group sizes; D must be a power of two."""
+
+    def __init__(self, name: str, base: FormatLayout):
+        self.name = name
+        self.base = base
+        self.array_fields = base.array_fields
+        self.default_group_size = base.default_group_size
+
+    def resolve(self, shape, kind, axis, group_size):
+        d = shape[2]
+        if not is_power_of_two(d):
+            raise ValueError(f"values: {self.name} needs D (channels) a power of two, got D={d}")
+        return self.base.resolve(shape, kind, axis, group_size)
+
+    def array_shapes(self, shape, axis, group_size):
+        return self.base.array_shapes(shape, axis, group_size)
+
+
+class HInt4Layout(HadamardLayout):
+    def __init__(self):
+        super().__init__("hint4", Int4Layout())
+
+
+class HInt2Layout(HadamardLayout):
+    def __init__(self):
+        super().__init__("hint2", Int2Layout())
+
+
 #: The built-in formats' layouts (each stack registers codecs that derive from these).
 BUILTIN_LAYOUTS: dict[str, FormatLayout] = {
-    layout.name: layout for layout in (Int4Layout(), NVFP4Layout(), FP8E4M3Layout(), Int2Layout())
+    layout.name: layout
+    for layout in (
+        Int4Layout(),
+        NVFP4Layout(),
+        FP8E4M3Layout(),
+        Int2Layout(),
+        HInt4Layout(),
+        HInt2Layout(),
+    )
 }

@@ -250,6 +250,36 @@ POLICIES: dict[str, Policy] = {
                     v_residual_format="int4",
                     key_tables="smollm2",
                 ),
+                # Issue 16: values Hadamard-rotated before INT4 (FORMAT.md 2c): keys INT4,
+                # then keys INTB as above.
+                Policy(
+                    "int4-hint4",
+                    "int4",
+                    "int4",
+                    group_size=64,
+                    v_base_format="hint4",
+                    v_residual_format="hint4",
+                ),
+                Policy(
+                    "intb-hint4-smollm2",
+                    "intb",
+                    "intb",
+                    group_size=64,
+                    v_base_format="hint4",
+                    v_residual_format="hint4",
+                    key_tables="smollm2",
+                ),
+                # loops-abs-v2442 with every value loop rotated (2/4/4/2 bits).
+                Policy(
+                    "loops-abs-v2442-h",
+                    "int2",
+                    "int2",
+                    group_size=64,
+                    v_base_format="hint2",
+                    v_residual_format=("hint4", "hint4", "hint2"),
+                    absolute=(1, 2, 3),
+                    v_absolute=(1, 2),
+                ),
             ]
         ),
     ]

@@ -1,7 +1,8 @@
 """kvq scalar oracle: the reference every kvq implementation is judged against, bit for bit.
 
 The oracle implements the storage formats of docs/FORMAT.md (``int4``, ``nvfp4``,
-``fp8_e4m3``, ``int2``, and the ``intb`` family, one format per bit table) one element at a
+``fp8_e4m3``, ``int2``, the rotated ``hint4`` and ``hint2``, and the ``intb`` family, one
+format per bit table) one element at a
 time in plain Python. It shares no code with the JAX codecs, the Torch codec or the GPU
 kernels, does not import JAX, and does no numpy arithmetic and no ml_dtypes conversion:
 numpy is only the container for input and output. Every float32
@@ -43,13 +44,25 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from kvq_jax.oracle import e2m1, e4m3, fp8_e4m3, int2, int4, intb, layout, nvfp4, scalar
+from kvq_jax.oracle import (
+    e2m1,
+    e4m3,
+    fp8_e4m3,
+    hadamard,
+    int2,
+    int4,
+    intb,
+    layout,
+    nvfp4,
+    scalar,
+)
 
 __all__ = [
     "AXES",
     "DEFAULT_AXIS",
     "FORMATS",
     "KINDS",
+    "ROTATED_FORMATS",
     "TABLE_FORMATS",
     "OraclePacked",
     "array_spec",
@@ -68,7 +81,10 @@ FORMATS = ("int4", "nvfp4", "fp8_e4m3", "int2")
 #: Format families that also need a bit table (``bits=``); kept out of `FORMATS` so that
 #: code looping over `FORMATS` without a table keeps working.
 TABLE_FORMATS = ("intb",)
-_ALL_FORMATS = FORMATS + TABLE_FORMATS
+#: Hadamard-rotated formats (section 2c): the base format on rotated rows; D a power of two.
+#: Kept out of `FORMATS` for the same reason.
+ROTATED_FORMATS = ("hint4", "hint2")
+_ALL_FORMATS = FORMATS + ROTATED_FORMATS + TABLE_FORMATS
 #: Tensor kinds.
 KINDS = ("key", "value")
 #: Grouping axes.
@@ -86,7 +102,17 @@ _BITS_DTYPE = {_F32: np.dtype(np.uint32), _F16: np.dtype(np.uint16), _BF16: np.d
 _BITS_DTYPE.update({_U8: _U8, _E4M3: _U8})
 _VALUE_DTYPES = (_F32, _F16, _BF16)
 
-_CODECS = {"int4": int4, "nvfp4": nvfp4, "fp8_e4m3": fp8_e4m3, "int2": int2, "intb": intb}
+_CODECS = {
+    "int4": int4,
+    "nvfp4": nvfp4,
+    "fp8_e4m3": fp8_e4m3,
+    "int2": int2,
+    "hint4": hadamard.HINT4,
+    "hint2": hadamard.HINT2,
+    "intb": intb,
+}
+#: The base format whose payload a rotated format stores.
+_ROTATED_BASE = {"hint4": "int4", "hint2": "int2"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -97,6 +123,7 @@ class OraclePacked:
     ``[T, H, ceil(D/G)]`` for axis "channels"):
       int4:     codes uint8 [T, H, ceil(D/2)], minimum float16, scale float16 [metadata]
       int2:     codes uint8 [T, H, ceil(D/4)], minimum float16, scale float16 [metadata]
+      hint4, hint2: as int4, int2 (of the rotated rows)
       nvfp4:    codes uint8 [T, H, ceil(D/2)], block_scale float8_e4m3fn [metadata],
                 global_scale float32 []
       fp8_e4m3: codes float8_e4m3fn [T, H, D], scale float32 [T, H]
@@ -147,6 +174,8 @@ def _resolve(format, kind, axis, group_size, n_channels: int) -> tuple[str, int]
         if axis not in (None, "tokens"):
             raise ValueError(f"axis: intb always groups over 'tokens', got {axis!r}")
         axis = "tokens"
+    if format in ROTATED_FORMATS and not hadamard.is_power_of_two(n_channels):
+        raise ValueError(f"values: {format} needs D (channels) a power of two, got D={n_channels}")
     axis = DEFAULT_AXIS[kind] if axis is None else axis
     if format == "nvfp4":
         if group_size is not None and group_size != nvfp4.GROUP_SIZE:
@@ -179,6 +208,7 @@ def array_spec(format: str, shape, axis: str, group_size: int, bits=None) -> dic
     _check_choice("format", format, _ALL_FORMATS)
     shape = tuple(shape)
     table = _resolve_bits(format, bits, shape)
+    format = _ROTATED_BASE.get(format, format)
     if format == "intb":
         if axis != "tokens":
             raise ValueError(f"axis: intb always groups over 'tokens', got {axis!r}")
@@ -257,8 +287,9 @@ def pack(values: np.ndarray, *, format: str, kind: str, group_size=None, axis=No
     """Encode numpy ``values[T, H, D]`` (float32, float16 or bfloat16) -> `OraclePacked`.
 
     `axis` defaults to "tokens" for keys and "channels" for values; FP8 is always
-    "channels" with one group of D; intb is always "tokens". `group_size`: int4, int2 and
-    intb any int >= 1 (default 64), nvfp4 16, fp8_e4m3 D. `bits`: intb's bit table
+    "channels" with one group of D; intb is always "tokens". `group_size`: int4, int2, hint4,
+    hint2 and intb any int >= 1 (default 64), nvfp4 16, fp8_e4m3 D; hint4 and hint2 need D a
+    power of two. `bits`: intb's bit table
     ``bits[h][c]`` (H rows of D ints in 1..8, equal row sums that are multiples of 8);
     required for intb, refused for the other formats. Raises ValueError / TypeError naming
     the offending argument.

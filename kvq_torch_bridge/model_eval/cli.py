@@ -125,6 +125,7 @@ def _windows(args, loaded):
 
 def format_table(info: dict) -> str:
     """The result table (one row per policy) with a header naming model, loops and text."""
+    width = max([16, *(len(r["name"]) + 2 for r in info["policies"])])
     lines = [
         f"model: {info['model']['model']} ({info['model']['architecture']}, "
         f"{info['model']['num_layers']} layers, {info['model']['dtype']}), codec: {info['codec']}",
@@ -133,13 +134,13 @@ def format_table(info: dict) -> str:
         f"teacher-forced predictions) = {info['positions']} predictions; "
         f"reference NLL {info['reference_nll']:.4f} nats",
         "",
-        f"{'policy':<16}{'mean KL':>12}{'max KL':>11}{'delta NLL':>12}{'top-1':>9}{'bitwise':>9}"
-        f"{'time s':>8}",
+        f"{'policy':<{width}}{'mean KL':>12}{'max KL':>11}{'delta NLL':>12}{'top-1':>9}"
+        f"{'bitwise':>9}{'time s':>8}",
     ]
     for r in info["policies"]:
         bitwise = "yes" if r["bitwise_equal"] else "no"
         lines.append(
-            f"{r['name']:<16}{r['kl']:>12.6f}{r['kl_max']:>11.5f}{r['delta_nll']:>+12.6f}"
+            f"{r['name']:<{width}}{r['kl']:>12.6f}{r['kl_max']:>11.5f}{r['delta_nll']:>+12.6f}"
             f"{r['top1']:>9.2%}{bitwise:>9}{r['seconds']:>8.1f}"
         )
     ok = info["passthrough_bitwise_equal"]
