@@ -23,6 +23,7 @@ from kvq_jax.core.window import Window
 from kvq_torch_bridge.api import pack_kv, unpack_kv
 from kvq_torch_bridge.codec import Codec
 from kvq_torch_bridge.formats.intb import IntBCodec
+from kvq_torch_bridge.heavy import HeavyKV, pack_heavy, select_heavy, unpack_heavy
 from kvq_torch_bridge.loops import LoopCode, decode_loop, decode_loops, encode_loops
 from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
 from kvq_torch_bridge.paged import pack_paged, unpack_paged
@@ -64,6 +65,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "Codec",
     "CopyWarning",
+    "HeavyKV",
     "IntBCodec",
     "KVResidual",
     "LoopCode",
@@ -82,12 +84,15 @@ __all__ = [
     "from_torch",
     "get_codec",
     "jax_to_torch",
+    "pack_heavy",
     "pack_kv",
     "pack_paged",
     "paged_decode_attention",
     "register_codec",
+    "select_heavy",
     "to_torch",
     "torch_to_jax",
+    "unpack_heavy",
     "unpack_kv",
     "unpack_paged",
     "unregister_codec",

@@ -775,6 +775,8 @@ FORMAT_ORACLE_FILES = {
     "int4.py",
     "nvfp4.py",
     "fp8_e4m3.py",
+    "hadamard.py",
+    "heavy.py",
 }
 
 

@@ -15,6 +15,7 @@ import functools
 import json
 import pathlib
 
+import ml_dtypes
 import numpy as np
 
 from kvq_jax.core.layouts import check_bit_table, check_group_size
@@ -105,6 +106,21 @@ def intb_bit_table(
     return allocate_bits(weight, mean_bits=mean_bits, min_bits=min_bits, max_bits=max_bits)
 
 
+def mean_query_table(queries, num_kv_heads: int, *, skip: int = 4) -> np.ndarray:
+    """The heavy-row selection table (FORMAT.md 5a) of one layer: bfloat16 [H, R, D], the mean
+    query of each of the R = Hq / H query heads that read KV head h, over samples and tokens
+    from `skip` on (the first tokens, attention sinks kept raw by a window, are left out).
+    queries: [N, T, Hq, D] or [T, Hq, D], post-RoPE as the cache's keys."""
+    q = _as_4d(queries, "queries")
+    _, t, hq, d = q.shape
+    if hq % num_kv_heads:
+        raise ValueError(f"queries has {hq} heads, not a multiple of num_kv_heads={num_kv_heads}")
+    if not 0 <= skip < t:
+        raise ValueError(f"skip must be in [0, T={t}), got {skip}")
+    mean = q[:, skip:].mean(axis=(0, 1)).reshape(num_kv_heads, hq // num_kv_heads, d)
+    return mean.astype(np.float32).astype(ml_dtypes.bfloat16)
+
+
 @dataclasses.dataclass(frozen=True)
 class KeyTables:
     """The INTB key bit tables of one model, per model layer (a policy's `key_tables`).
@@ -113,12 +129,15 @@ class KeyTables:
     tables: model layer index -> bit table (H tuples of D widths).
     group_size: the token group size the tables were calibrated for.
     source: what they were calibrated on (text, tokens, capture).
+    mean_query: model layer index -> bfloat16 [H, R, D] heavy-row selection table
+      (`mean_query_table`), or None when the set has none.
     """
 
     models: tuple[str, ...]
     tables: dict[int, tuple[tuple[int, ...], ...]]
     group_size: int
     source: str
+    mean_query: dict[int, np.ndarray] | None = None
 
     def check_fit(self, policy_name: str, model_names, num_layers: int) -> None:
         """ValueError unless one of `model_names` (the names a model goes by; the first is
@@ -132,6 +151,19 @@ class KeyTables:
         missing = sorted(set(range(num_layers)) - set(self.tables))
         if missing:
             raise ValueError(f"policy {policy_name!r}: no key table for layers {missing}")
+
+    def heavy_table(self, policy_name: str, layer: int) -> np.ndarray:
+        """The bfloat16 mean-query table of model layer `layer`, or a ValueError."""
+        if self.mean_query is None:
+            raise ValueError(
+                f"policy {policy_name!r}: its table set has no mean-query tables for heavy rows"
+            )
+        try:
+            return self.mean_query[layer]
+        except KeyError:
+            raise ValueError(
+                f"policy {policy_name!r}: no mean-query table for layer {layer}"
+            ) from None
 
     def table(self, layer: int) -> tuple[tuple[int, ...], ...]:
         """The bit table of model layer `layer`, or a ValueError listing the layers held."""
@@ -149,11 +181,16 @@ def save_key_tables(path, key_tables: KeyTables) -> None:
     meta = dict(
         models=list(key_tables.models), group_size=key_tables.group_size, source=key_tables.source
     )
+    extra = {}
+    if key_tables.mean_query is not None:
+        mq = np.stack([np.asarray(key_tables.mean_query[i], ml_dtypes.bfloat16) for i in layers])
+        extra["mean_query"] = mq.view(np.uint16)  # bfloat16 bits
     np.savez_compressed(
         path,
         layers=np.asarray(layers, np.int32),
         bits=np.asarray([key_tables.tables[i] for i in layers], np.uint8),
         meta=np.asarray(json.dumps(meta)),
+        **extra,
     )
 
 
@@ -162,18 +199,20 @@ def load_key_tables(path) -> KeyTables:
     with np.load(path) as data:
         meta = json.loads(str(data["meta"]))
         layers, bits = data["layers"].tolist(), data["bits"].astype(np.int64)
-    if len(layers) != len(bits):
+        mq = data["mean_query"].view(ml_dtypes.bfloat16) if "mean_query" in data else None
+    if len(layers) != len(bits) or (mq is not None and len(mq) != len(layers)):
         raise ValueError(f"{path}: {len(layers)} layers but {len(bits)} tables")
     return KeyTables(
         models=tuple(meta["models"]),
         tables={int(i): check_bit_table(b) for i, b in zip(layers, bits, strict=True)},
         group_size=check_group_size(int(meta["group_size"])),
         source=str(meta["source"]),
+        mean_query=None if mq is None else {int(i): m for i, m in zip(layers, mq, strict=True)},
     )
 
 
 #: Shipped table sets: name -> file beside the embedded capture (kvq_jax/report/data).
-SHIPPED_KEY_TABLES = {"smollm2": "intb_smollm2.npz"}
+SHIPPED_KEY_TABLES = {"smollm2": "intb_smollm2.npz", "smollm2-heavy": "intb_smollm2_heavy.npz"}
 _DATA = pathlib.Path(__file__).resolve().parents[1] / "report" / "data"
 
 

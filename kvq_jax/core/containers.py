@@ -282,3 +282,34 @@ class PagedCacheBase:
             else:
                 total += nbytes(value)
         return total
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeavyKVBase(_Derived):
+    """A [T, H, D] tensor with one INT8 heavy row per (token group, head) and the other rows
+    packed (docs/FORMAT.md section 5a).
+
+    payload: the PackedKV of the [T - nG, H, D] other rows (nG = ceil(T/G));
+    rows:    uint8 [nG, H], the heavy row of each group (index within the group);
+    codes:   uint8 [nG, H, D], the heavy rows' INT8 codes;
+    minimum / scale: float16 [nG, H], their affine metadata.
+    group_size: G (static); shape: (T, H, D).
+    """
+
+    payload: Any
+    rows: Any
+    codes: Any
+    minimum: Any
+    scale: Any
+    group_size: int
+    shape: tuple[int, int, int]
+
+    @property
+    def _inner(self):
+        return self.payload
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of every array held: the payload, the rows, the heavy codes and metadata."""
+        own = (self.rows, self.codes, self.minimum, self.scale)
+        return self.payload.storage_bytes + sum(nbytes(a) for a in own)

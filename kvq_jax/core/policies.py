@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from kvq_jax.core.window import Window
 
 #: The BF16 window of the "+win" rows: 4 attention-sink rows and the 16 most recent rows.
@@ -50,6 +52,12 @@ class Policy:
       `kvq_jax.core.calibration.KeyTables`), or None. The keys of model layer l are then
       stored in every loop in the INTB format of layer l's table (base_format and
       residual_format are the label "intb"); `for_key_format` gives a layer's own policy.
+    heavy: heavy rows (FORMAT.md 5a): the token group size G (one INT8 row per G tokens and
+      KV head, chosen from that loop's keys, the same rows for the values), or None. Needs
+      key_tables whose set holds mean-query tables; every loop is then stored whole (each
+      with its own rows: absolute), in its base formats (K payload groups of G - 1 tokens).
+    heavy_table: one layer's bfloat16 mean-query table as nested tuples [H][R][D] (set by
+      `for_key_format` on a key_tables policy's per-layer policies; static).
     """
 
     name: str
@@ -62,8 +70,23 @@ class Policy:
     absolute: tuple[int, ...] = ()
     v_absolute: tuple[int, ...] | None = None
     key_tables: str | None = None
+    heavy: int | None = None
+    heavy_table: tuple | None = None
 
     def __post_init__(self):
+        if self.heavy is not None:
+            if isinstance(self.heavy, bool) or not isinstance(self.heavy, int):
+                raise TypeError(
+                    f"Policy.heavy must be a group size (int) or None, got {self.heavy!r}"
+                )
+            if not 2 <= self.heavy <= 256:
+                raise ValueError(
+                    f"Policy.heavy: the group size must be in 2..256, got {self.heavy}"
+                )
+            if self.key_tables is None and self.heavy_table is None:
+                raise ValueError(
+                    "Policy.heavy: heavy rows need key_tables (a table set with mean-query tables)"
+                )
         if self.key_tables is not None:
             if not isinstance(self.key_tables, str) or not self.key_tables:
                 raise TypeError(
@@ -89,11 +112,24 @@ class Policy:
                 raise ValueError(f"Policy.{field}: a loop is listed twice in {loops!r}")
             object.__setattr__(self, field, tuple(sorted(loops)))
 
-    def for_key_format(self, key_format: str) -> Policy:
+    def for_key_format(self, key_format: str, heavy_table=None) -> Policy:
         """This policy with its keys in `key_format` in every loop (a key_tables policy's
-        policy for one layer, whose INTB format is registered under `key_format`)."""
+        policy for one layer, whose INTB format is registered under `key_format`), and for a
+        heavy policy that layer's mean-query table (an array [H, R, D] of bfloat16 values)."""
+        table = None
+        if self.heavy is not None:
+            if heavy_table is None:
+                raise ValueError(f"heavy_table: policy {self.name!r} stores heavy rows")
+            table = tuple(
+                tuple(tuple(float(x) for x in row) for row in head)
+                for head in np.asarray(heavy_table, np.float32)
+            )
         return dataclasses.replace(
-            self, base_format=key_format, residual_format=key_format, key_tables=None
+            self,
+            base_format=key_format,
+            residual_format=key_format,
+            key_tables=None,
+            heavy_table=table,
         )
 
     @property
@@ -131,6 +167,8 @@ class Policy:
         """The loops (0-based, in [1, num_loops)) of `kind` stored absolute."""
         if kind not in ("key", "value"):
             raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+        if self.heavy is not None:
+            return tuple(range(1, num_loops))  # every loop stored whole, with its own rows
         loops = self.absolute
         if kind == "value" and self.v_absolute is not None:
             loops = self.v_absolute
@@ -150,6 +188,11 @@ class Policy:
         are stored absolute (then `absolute` is among them)."""
         if not self.quantized:
             raise ValueError(f"policy {self.name!r} is the unquantized reference")
+        if self.heavy is not None:
+            raise ValueError(
+                f"policy {self.name!r} stores heavy rows: every loop is packed with "
+                "kvq_jax.pack_heavy, not encode_loops"
+            )
         if self.key_tables is not None and kind == "key":
             raise ValueError(
                 f"policy {self.name!r} stores keys with per-layer tables ({self.key_tables}): "
@@ -268,6 +311,19 @@ POLICIES: dict[str, Policy] = {
                     v_base_format="hint4",
                     v_residual_format="hint4",
                     key_tables="smollm2",
+                ),
+                # Heavy rows (FORMAT.md 5a): per 64 tokens and KV head, the row the mean query
+                # attends to most is stored INT8 for K and V; keys INTB at 3.75 bits over the
+                # other 63 rows, values HINT4 G64 (4.44 bits/element on complete groups).
+                Policy(
+                    "intb-hint4-heavy-smollm2",
+                    "intb",
+                    "intb",
+                    group_size=64,
+                    v_base_format="hint4",
+                    v_residual_format="hint4",
+                    key_tables="smollm2-heavy",
+                    heavy=64,
                 ),
                 # loops-abs-v2442 with every value loop rotated (2/4/4/2 bits).
                 Policy(

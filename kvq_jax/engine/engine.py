@@ -104,6 +104,11 @@ def layer_policies(policy: Policy, model) -> tuple[Policy, ...]:
     key tables (`Policy.key_tables`) each layer's own, its INTB format registered in the JAX
     registry. ValueError when the tables are not for this model (its `source` "model") or
     miss one of its layers."""
+    if policy.heavy is not None:
+        raise ValueError(
+            f"policy {policy.name!r} stores heavy rows (Policy.heavy): the paged cache has no "
+            "heavy-row pages yet; use kvq_jax.pack_heavy / kvq report"
+        )
     num_layers = model.config.num_layers
     if policy.key_tables is None:
         return (policy,) * num_layers
@@ -125,6 +130,11 @@ def cache_config_for(
     that does not fit the page)."""
     if not policy.quantized:
         raise ValueError(f"policy {policy.name!r} is unquantized: it has no PagedCacheConfig")
+    if policy.heavy is not None:
+        raise ValueError(
+            f"policy {policy.name!r} stores heavy rows (Policy.heavy): the paged cache has no "
+            "heavy-row pages yet; use kvq_jax.pack_heavy / kvq report"
+        )
     if policy.key_tables is not None:
         raise ValueError(
             f"policy {policy.name!r} stores keys with per-layer INTB tables "

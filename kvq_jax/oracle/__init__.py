@@ -49,6 +49,7 @@ from kvq_jax.oracle import (
     e4m3,
     fp8_e4m3,
     hadamard,
+    heavy,
     int2,
     int4,
     intb,
@@ -64,6 +65,7 @@ __all__ = [
     "KINDS",
     "ROTATED_FORMATS",
     "TABLE_FORMATS",
+    "OracleHeavy",
     "OraclePacked",
     "array_spec",
     "e2m1",
@@ -71,8 +73,11 @@ __all__ = [
     "layout",
     "mismatches",
     "pack",
+    "pack_heavy",
     "scalar",
+    "select_heavy",
     "unpack",
+    "unpack_heavy",
     "widen",
 ]
 
@@ -397,3 +402,110 @@ def mismatches(expected, actual, *, nan_equal: bool = False, limit: int = 5) -> 
         if shown > limit:
             problems.append(f"{name}: {shown - limit} more differing elements")
     return problems
+
+
+# --------------------------------------------------------------------------- heavy rows
+
+OracleHeavy = heavy.OracleHeavy
+
+
+def _check_values(values, name: str = "values") -> tuple[int, int, int]:
+    if not isinstance(values, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(values).__name__}")
+    if np.dtype(values.dtype) not in _VALUE_DTYPES:
+        raise TypeError(f"{name} dtype must be float32, float16 or bfloat16, got {values.dtype}")
+    if values.ndim != 3:
+        raise ValueError(f"{name} must have rank 3 [T, H, D], got shape {values.shape}")
+    return tuple(int(n) for n in values.shape)
+
+
+def select_heavy(keys: np.ndarray, table: np.ndarray, *, group_size: int = 64) -> np.ndarray:
+    """FORMAT.md 5a selection: keys [T, H, D] (D a power of two) and a bfloat16 mean-query
+    table [H, R, D] -> rows uint8 [ceil(T/G), H], the heavy row of each token group."""
+    shape = _check_values(keys, "keys")
+    rows = heavy.select(widen(keys), shape, table, group_size)
+    return np.array(rows, dtype=np.uint8).reshape(len(rows), shape[1])
+
+
+def pack_heavy(
+    values: np.ndarray,
+    rows: np.ndarray,
+    *,
+    format: str,
+    kind: str,
+    group_size: int = 64,
+    base_group_size=None,
+    axis=None,
+    bits=None,
+) -> OracleHeavy:
+    """FORMAT.md 5a storage: values [T, H, D] with `rows` [ceil(T/G), H] (clamped to each
+    group) -> `OracleHeavy`: the heavy rows INT8 and the other rows packed in `format`
+    (`base_group_size` defaults to G - 1 on axis tokens, the format's default otherwise)."""
+    shape = _check_values(values)
+    t, h, d = shape
+    g = heavy._check_group_size(group_size)
+    rows = np.asarray(rows)
+    if rows.shape != (heavy.num_groups(t, g), h) or rows.dtype.kind not in "iu":
+        raise ValueError(
+            f"rows must be an int array [{heavy.num_groups(t, g)}, {h}], got {rows.dtype} "
+            f"{rows.shape}"
+        )
+    axis, _ = _resolve(format, kind, axis, base_group_size, d)
+    if base_group_size is None and axis == "tokens":
+        base_group_size = g - 1
+    picked = heavy.clamp_rows(rows.tolist(), t, g)
+    source = heavy.rest_index(picked, t, h, g)
+    raw = _to_bits(np.ascontiguousarray(values))
+    rest = [
+        raw[(src * h + head) * d + c]
+        for row in source
+        for head, src in enumerate(row)
+        for c in range(d)
+    ]
+    rest_values = _from_bits(rest, np.dtype(values.dtype), (len(source), h, d))
+    payload = pack(
+        rest_values, format=format, kind=kind, group_size=base_group_size, axis=axis, bits=bits
+    )
+    codes, minimum, scale = heavy.encode_rows(widen(values), shape, picked, g)
+    n = len(picked)
+    arrays = {
+        "rows": np.array([r for row in picked for r in row], np.uint8).reshape(n, h),
+        "codes": np.array(codes, np.uint8).reshape(n, h, d),
+        "minimum": _from_bits(minimum, _F16, (n, h)),
+        "scale": _from_bits(scale, _F16, (n, h)),
+    }
+    return OracleHeavy(payload, arrays, g, shape, np.dtype(values.dtype))
+
+
+def unpack_heavy(enc: OracleHeavy, dtype=None) -> np.ndarray:
+    """Decode an `OracleHeavy` -> numpy [T, H, D] in `dtype` (default: the input dtype)."""
+    if not isinstance(enc, OracleHeavy):
+        raise TypeError(f"enc must be an OracleHeavy, got {type(enc).__name__}")
+    out_dtype = np.dtype(enc.dtype if dtype is None else dtype)
+    if out_dtype not in _VALUE_DTYPES:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    t, h, d = enc.shape
+    g = enc.group_size
+    picked = enc.arrays["rows"].tolist()
+    rest = _to_bits(unpack(enc.payload, out_dtype))
+    rows_f32 = heavy.decode_rows(
+        enc.arrays["codes"].reshape(-1).tolist(),
+        _to_bits(enc.arrays["minimum"]),
+        _to_bits(enc.arrays["scale"]),
+        d,
+    )
+    rows_bits = _cast_out_bits(rows_f32, out_dtype)
+    out = [0] * (t * h * d)
+    for tok in range(t):
+        grp, i = divmod(tok, g)
+        for head in range(h):
+            r = picked[grp][head]
+            dst = (tok * h + head) * d
+            if i == r:
+                src = (grp * h + head) * d
+                out[dst : dst + d] = rows_bits[src : src + d]
+            else:
+                p = grp * (g - 1) + i - (i > r)
+                src = (p * h + head) * d
+                out[dst : dst + d] = rest[src : src + d]
+    return _from_bits(out, out_dtype, (t, h, d))

@@ -1,12 +1,14 @@
 """Calibrate INTB key tables (FORMAT.md section 2b) from a capture, one per captured layer.
 
     python -m kvq_jax.report.calibrate CAPTURE.npz OUT.npz --models NAME[,NAME...]
-        [--mean-bits 4] [--group-size 64] [--source TEXT]
+        [--mean-bits 4] [--group-size 64] [--mean-query] [--source TEXT]
 
 CAPTURE: a `kvq report --kv` capture with queries (its meta lists the model layer of each
 captured layer in "layers"); loop 0 of every window is used. Calibrate on other text than the
-report evaluates on. OUT is read by `kvq_jax.core.calibration.load_key_tables`; the shipped
-`kvq_jax/report/data/intb_smollm2.npz` was made this way (see its `source`).
+report evaluates on. `--mean-query` also stores each layer's heavy-row selection table (the
+mean query per query head, FORMAT.md 5a). OUT is read by
+`kvq_jax.core.calibration.load_key_tables`; the shipped `kvq_jax/report/data/intb_smollm2.npz`
+and `intb_smollm2_heavy.npz` were made this way (see their `source`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,18 @@ import sys
 
 import numpy as np
 
-from kvq_jax.core.calibration import KeyTables, intb_bit_table, save_key_tables
+from kvq_jax.core.calibration import (
+    KeyTables,
+    intb_bit_table,
+    mean_query_table,
+    save_key_tables,
+)
 from kvq_jax.report.capture import load_capture
 
 
-def calibrate(capture, *, models, mean_bits=4.0, group_size=64, source="") -> KeyTables:
+def calibrate(
+    capture, *, models, mean_bits=4.0, group_size=64, source="", mean_query=False
+) -> KeyTables:
     """KeyTables from a capture's loop 0 (keys and queries of every window)."""
     if capture.q is None:
         raise ValueError("the capture has no queries (q): the tables weight keys by them")
@@ -35,7 +44,17 @@ def calibrate(capture, *, models, mean_bits=4.0, group_size=64, source="") -> Ke
         int(layer): intb_bit_table(k[:, n], q[:, n], mean_bits=mean_bits, group_size=group_size)
         for n, layer in enumerate(layers)
     }
-    return KeyTables(models=tuple(models), tables=tables, group_size=group_size, source=source)
+    queries = None
+    if mean_query:
+        heads = k.shape[-2]
+        queries = {int(layer): mean_query_table(q[:, n], heads) for n, layer in enumerate(layers)}
+    return KeyTables(
+        models=tuple(models),
+        tables=tables,
+        group_size=group_size,
+        source=source,
+        mean_query=queries,
+    )
 
 
 def main(argv=None) -> int:
@@ -46,6 +65,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mean-bits", type=float, default=4.0)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--source", default="", help="what the capture holds (recorded)")
+    parser.add_argument(
+        "--mean-query", action="store_true", help="also store heavy-row mean-query tables"
+    )
     args = parser.parse_args(argv)
     try:
         capture = load_capture(args.capture)
@@ -55,6 +77,7 @@ def main(argv=None) -> int:
             mean_bits=args.mean_bits,
             group_size=args.group_size,
             source=args.source,
+            mean_query=args.mean_query,
         )
     except (ValueError, TypeError, OSError) as e:
         print(f"calibrate: error: {e}", file=sys.stderr)

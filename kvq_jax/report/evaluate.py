@@ -43,6 +43,7 @@ import numpy as np
 from kvq_jax._numerics import subtract_in_dtype
 from kvq_jax.api import unpack_kv
 from kvq_jax.core.policies import Policy
+from kvq_jax.heavy import heavy_kv
 from kvq_jax.loops import decode_loops, encode_loops
 from kvq_jax.report.capture import Capture
 from kvq_jax.report.key_tables import layer_policies
@@ -148,6 +149,73 @@ def _stack_sums(stack, kind: str, policy: Policy):
     return code, recon, (*square_sums(stack, recon), payload_err, payload_ref)
 
 
+def _heavy_stack_sums(k_stack, v_stack, policy: Policy):
+    """A heavy-row policy (one layer's) on one K and V stack [L, T, H, D]: every loop stored
+    whole with its own rows (`kvq_jax.heavy.heavy_kv`). Returns (k_hat, v_hat, k_bytes,
+    v_bytes, sums) with the sums of `_stack_sums` (payload: the packed rows of each loop)."""
+    table = jnp.asarray(np.asarray(policy.heavy_table, np.float32), jnp.bfloat16)
+    rows = k_stack.shape[1]
+    head, middle, _ = policy.window.split_sizes(rows) if policy.window else (0, rows, 0)
+    mid = slice(head, head + middle)
+    out = {"key": ([], [], 0), "value": ([], [], 0)}
+    for loop in range(k_stack.shape[0]):
+        k_hat, v_hat, k_packed, v_packed = heavy_kv(
+            k_stack[loop],
+            v_stack[loop],
+            table,
+            key_format=policy.base_format,
+            value_format=policy.formats("value")[0],
+            group_size=policy.heavy,
+            window=policy.window,
+        )
+        for kind, x, x_hat, packed in (
+            ("key", k_stack[loop], k_hat, k_packed),
+            ("value", v_stack[loop], v_hat, v_packed),
+        ):
+            hats, payload, nbytes = out[kind]
+            hats.append(x_hat)
+            payload.append(square_sums(x[mid], x_hat[mid]))
+            window_bytes = (rows - middle) * x.shape[1] * x.shape[2] * x.dtype.itemsize
+            out[kind] = (hats, payload, nbytes + packed.storage_bytes + window_bytes)
+    results = []
+    for kind, stack in (("key", k_stack), ("value", v_stack)):
+        hats, payload, nbytes = out[kind]
+        recon = jnp.stack(hats)
+        sums = (
+            *square_sums(stack, recon),
+            jnp.stack([p[0] for p in payload]),
+            jnp.stack([p[1] for p in payload]),
+        )
+        results.append((recon, nbytes, sums))
+    return results
+
+
+@functools.partial(jax.jit, static_argnames=("policy",))
+def heavy_policy_sums(k, v, *, policy: Policy):
+    """`policy_sums` of a heavy-row policy (one layer's): (k_hat, v_hat, sums); the storage
+    bytes per stack are static (`heavy_policy_bytes`)."""
+    (k_hat, _, k_sums), (v_hat, _, v_sums) = jax.vmap(lambda a, b: _heavy_stack_sums(a, b, policy))(
+        k, v
+    )
+    names = ("err", "ref", "payload_err", "payload_ref")
+    sums = {f"k_{n}": s for n, s in zip(names, k_sums, strict=True)}
+    sums.update({f"v_{n}": s for n, s in zip(names, v_sums, strict=True)})
+    return k_hat, v_hat, sums
+
+
+def heavy_policy_bytes(k, v, policy: Policy) -> tuple[int, int]:
+    """(K bytes, V bytes) a heavy-row policy stores for stacks k, v [B, L, T, H, D]."""
+    counted = {}
+
+    def one_stack(a, b):  # traced for shapes only: the byte counts are static
+        (k_hat, k_bytes, _), (_, v_bytes, _) = _heavy_stack_sums(a, b, policy)
+        counted.update(k=k_bytes, v=v_bytes)
+        return k_hat
+
+    jax.eval_shape(one_stack, k[0], v[0])
+    return counted["k"] * k.shape[0], counted["v"] * v.shape[0]
+
+
 @functools.partial(jax.jit, static_argnames=("policy",))
 def policy_sums(k, v, *, policy: Policy):
     """One policy on B stacks k, v [B, L, T, H, D]. Returns (k_code, v_code, k_hat, v_hat,
@@ -179,7 +247,12 @@ def decode_attention_sums(q, k, v, k_hat, v_hat, ref_out, *, sink: int, recent: 
 
 def _policy_run(policy: Policy, k, v, q, ref_out):
     """(K bytes, V bytes, numpy sums) of one policy on stacks k, v [B, L, T, H, D]."""
-    k_code, v_code, k_hat, v_hat, sums = policy_sums(k, v, policy=policy)
+    if policy.heavy is not None:
+        k_hat, v_hat, sums = heavy_policy_sums(k, v, policy=policy)
+        k_bytes, v_bytes = heavy_policy_bytes(k, v, policy)
+    else:
+        k_code, v_code, k_hat, v_hat, sums = policy_sums(k, v, policy=policy)
+        k_bytes, v_bytes = int(k_code.storage_bytes), int(v_code.storage_bytes)
     if q is not None:
         sums["attn_err"], sums["attn_ref"] = attention_sums(q, k_hat, v_hat, ref_out)
         window = policy.window
@@ -188,7 +261,7 @@ def _policy_run(policy: Policy, k, v, q, ref_out):
             q, k, v, k_hat, v_hat, ref_out, sink=sink, recent=recent
         )
     sums = {name: np.asarray(a) for name, a in sums.items()}
-    return int(k_code.storage_bytes), int(v_code.storage_bytes), sums
+    return k_bytes, v_bytes, sums
 
 
 def _run_policy(policy: Policy, k, v, q, ref_out, layers: list[Policy] | None = None):

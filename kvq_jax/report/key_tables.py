@@ -59,5 +59,6 @@ def layer_policies(policy: Policy, meta: dict, shape) -> list[Policy]:
                 f"policy {policy.name!r}: layer {layer}'s table is for "
                 f"{(len(table), len(table[0]))} (heads, dim), the capture has ({heads}, {dim})"
             )
-        out.append(policy.for_key_format(register_table(table)))
+        heavy = tables.heavy_table(policy.name, layer) if policy.heavy is not None else None
+        out.append(policy.for_key_format(register_table(table), heavy))
     return out

@@ -8,6 +8,7 @@ the policy's BF16 window kept raw in every loop.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -51,6 +52,22 @@ class TorchLoopCoder:
             absolute=loop in policy.absolute_loops(kind, loop + 1),
         )
         return decode_residual(code, previous)
+
+    def heavy(self, k: torch.Tensor, v: torch.Tensor, policy: Policy, table):
+        """(k_hat, v_hat) of one loop of a heavy-row policy (one layer's): every loop whole,
+        with its own rows (`kvq_torch_bridge.heavy.heavy_kv`). table: bfloat16 [H, R, D]."""
+        from kvq_torch_bridge.heavy import heavy_kv
+
+        k_hat, v_hat, _, _ = heavy_kv(
+            k,
+            v,
+            table.to(k.device),
+            key_format=policy.base_format,
+            value_format=policy.formats("value")[0],
+            group_size=policy.heavy,
+            window=policy.window,
+        )
+        return k_hat, v_hat
 
 
 class JaxLoopCoder:
@@ -111,6 +128,44 @@ class JaxLoopCoder:
             absolute=loop in policy.absolute_loops(kind, loop + 1),
         )
         return self._to_torch(kvq_jax.decode_residual(code, prev))
+
+    def heavy(self, k: torch.Tensor, v: torch.Tensor, policy: Policy, table):
+        """`TorchLoopCoder.heavy` through kvq_jax (`kvq_jax.heavy.heavy_kv`, jitted)."""
+        k_hat, v_hat = _jax_heavy(
+            self._to_jax(k),
+            self._to_jax(v),
+            self._to_jax(table),
+            key_format=policy.base_format,
+            value_format=policy.formats("value")[0],
+            group_size=policy.heavy,
+            window=policy.window,
+        )
+        return self._to_torch(k_hat), self._to_torch(v_hat)
+
+
+@functools.cache
+def _jax_heavy_fn():
+    import jax
+
+    from kvq_jax.heavy import heavy_kv
+
+    def fn(k, v, table, *, key_format, value_format, group_size, window):
+        k_hat, v_hat, _, _ = heavy_kv(
+            k,
+            v,
+            table,
+            key_format=key_format,
+            value_format=value_format,
+            group_size=group_size,
+            window=window,
+        )
+        return k_hat, v_hat
+
+    return jax.jit(fn, static_argnames=("key_format", "value_format", "group_size", "window"))
+
+
+def _jax_heavy(k, v, table, **static):
+    return _jax_heavy_fn()(k, v, table, **static)
 
 
 def get_loop_coder(name: str):

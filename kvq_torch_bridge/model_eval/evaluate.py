@@ -64,7 +64,10 @@ def layer_policies(policy: Policy, loaded: LoadedModel, coder) -> dict[int, Poli
         return None
     tables = check_key_tables(policy, loaded)
     return {
-        layer: policy.for_key_format(coder.register_intb(table))
+        layer: policy.for_key_format(
+            coder.register_intb(table),
+            tables.heavy_table(policy.name, layer) if policy.heavy is not None else None,
+        )
         for layer, table in tables.tables.items()
     }
 

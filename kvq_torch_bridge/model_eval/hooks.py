@@ -100,6 +100,19 @@ class KVQuantizer:
         self._recon[(layer, kind)] = out
         return torch.stack(out).transpose(1, 2)
 
+    def _code_heavy(self, policy: Policy, key: torch.Tensor, value: torch.Tensor):
+        """Heavy rows: K and V [B, H, T, D] coded together, each loop whole with the rows
+        chosen from that loop's keys (`Policy.heavy`)."""
+        table = torch.tensor(policy.heavy_table, dtype=torch.bfloat16)
+        ks, vs = [], []
+        for b in range(key.shape[0]):
+            k_hat, v_hat = self.coder.heavy(
+                key[b].transpose(0, 1), value[b].transpose(0, 1), policy, table
+            )
+            ks.append(k_hat)
+            vs.append(v_hat)
+        return torch.stack(ks).transpose(1, 2), torch.stack(vs).transpose(1, 2)
+
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         layer = int(module.layer_idx)
         expected = self._last_loop.get(layer, -1) + 1
@@ -110,7 +123,10 @@ class KVQuantizer:
             )
         self._last_loop[layer] = self.loop
         k, v = key, value
-        if self.policy.quantized:
+        policy = self.policy if self.layers is None else self.layers[layer]
+        if self.policy.quantized and policy.heavy is not None:
+            k, v = self._code_heavy(policy, key, value)
+        elif self.policy.quantized:
             k = self._code(layer, "key", key)
             v = self._code(layer, "value", value)
         base = _base_attention(module, self.base_implementation)

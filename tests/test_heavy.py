@@ -1,0 +1,435 @@
+"""Heavy rows (docs/FORMAT.md section 5a) on every stack and in the report, hooks and engine.
+
+The oracle's selection is checked against an independent numpy computation (on data where
+every float32 sum is exact) and hand-worked ties; its storage against hand-worked rows; the
+jitted and eager JAX paths and the Torch path against the oracle byte for byte (selection,
+payload, heavy rows, decode; special values, partial and empty groups); the report's heavy
+row against explicit `heavy_kv` calls; the model hook against `heavy_kv` on the K/V it saw; the
+engine refuses heavy policies; bad arguments raise naming the argument. Planted defects
+(strict xfails) show the checks can fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import assert_packed_equal, assert_same_bytes, assert_same_values, numpy_to_torch
+
+import kvq_jax as kq
+from kvq_jax import oracle
+from kvq_jax.core import calibration
+from kvq_jax.core.policies import POLICIES, Policy
+from kvq_jax.heavy import heavy_kv
+
+torch = pytest.importorskip("torch")
+import kvq_torch_bridge as kt  # noqa: E402
+from kvq_torch_bridge._dtypes import to_numpy  # noqa: E402
+from kvq_torch_bridge.heavy import heavy_kv as torch_heavy_kv  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+DTYPES = (BF16, F16, F32)
+
+
+def _table(rng, h=2, r=3, d=8):
+    return rng.standard_normal((h, r, d)).astype(BF16)
+
+
+def _kv(rng, shape, dtype):
+    x = rng.standard_normal(shape) + rng.standard_normal((1, *shape[1:]))
+    return x.astype(np.float32).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# the oracle
+
+
+def test_oracle_selection_equals_numpy_on_exact_data():
+    """Small-integer keys and dyadic table entries: every float32 product and sum is exact,
+    so the selection is numpy's argmax of float64 dots (max over the query heads)."""
+    rng = np.random.default_rng(0)
+    keys = rng.integers(-8, 8, size=(100, 2, 16)).astype(np.float32)
+    table = (rng.integers(-16, 16, size=(2, 3, 16)) / 4).astype(BF16)
+    rows = oracle.select_heavy(keys, table, group_size=32)
+    score = np.einsum("thd,hrd->thr", keys.astype(np.float64), table.astype(np.float64)).max(-1)
+    want = np.stack([np.argmax(score[g : g + 32], axis=0) for g in range(0, 100, 32)])
+    assert rows.dtype == np.uint8 and rows.shape == (4, 2)
+    assert (rows == want).all()
+
+
+def test_oracle_selection_ties_nan_and_bf16_rounding():
+    table = np.ones((1, 1, 4), BF16)
+    keys = np.zeros((6, 1, 4), np.float32)
+    keys[1] = keys[3] = 1.0  # a tie between rows 1 and 3: the first wins
+    keys[4, 0, 0] = np.nan  # a NaN score never wins
+    assert oracle.select_heavy(keys, table, group_size=6).tolist() == [[1]]
+    keys[:] = np.nan  # all NaN: -inf everywhere, row 0
+    assert oracle.select_heavy(keys, table, group_size=3).tolist() == [[0], [0]]
+    # keys are rounded to bfloat16 first: 1 + 2^-9 rounds to 1 (ties to even), a tie with 1
+    keys = np.array([1.0, 1.0 + 2.0**-9], np.float32).reshape(2, 1, 1)
+    assert oracle.select_heavy(keys, np.ones((1, 1, 1), BF16), group_size=2).tolist() == [[0]]
+
+
+def test_oracle_storage_hand_worked():
+    """T = 5, G = 4: groups [0..3] and [4]. Head 0 keeps rows 2 and 0 heavy; the payload holds
+    rows 0, 1, 3 of group 0 (rows past a partial group's end are clamped: group 1 has one row,
+    so its payload part is empty)."""
+    x = np.arange(5 * 1 * 4, dtype=np.float32).reshape(5, 1, 4)
+    enc = oracle.pack_heavy(x, np.array([[2], [7]]), format="fp8_e4m3", kind="value", group_size=4)
+    assert enc.arrays["rows"].tolist() == [[2], [0]]
+    assert enc.payload.shape == (3, 1, 4)
+    rest = oracle.unpack(enc.payload, np.float32)
+    np.testing.assert_allclose(rest[:, 0, 0], [0, 4, 12], rtol=0.04)  # FP8: 3 mantissa bits
+    # heavy row 2 = [8, 9, 10, 11]: min 8, scale 3/255, codes 0, 85, 170, 255
+    assert enc.arrays["codes"][0, 0].tolist() == [0, 85, 170, 255]
+    assert enc.arrays["minimum"][0, 0] == 8 and enc.arrays["scale"][0, 0] == np.float16(3 / 255)
+    out = oracle.unpack_heavy(enc)
+    np.testing.assert_allclose(out, x, rtol=0.04)
+    scale16 = np.float32(np.float16(3 / 255))  # decode: code * f16 scale + f16 minimum
+    want = np.array([0, 85, 170, 255], np.float32) * scale16 + np.float32(8)
+    assert out[2, 0].tolist() == want.tolist()
+
+
+def test_heavy_rows_lower_the_decode_error_of_a_sink_like_row():
+    """The reason it exists: one row per group that the mean query attends to, much larger
+    than the rest, sets its INT4 group's range; kept INT8 it is nearly exact and the others
+    quantize finer."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 1, 16)).astype(np.float32)
+    x[17] *= 30.0
+    table = np.ones((1, 1, 16), BF16)
+    keys = x.copy()
+    keys[17] = 10.0  # the keys point at row 17
+    rows = oracle.select_heavy(keys, table, group_size=64)
+    assert rows.tolist() == [[17]]
+    plain = oracle.unpack(oracle.pack(x, format="int4", kind="key"))
+    heavy = oracle.unpack_heavy(oracle.pack_heavy(x, rows, format="int4", kind="key"))
+    rest = np.arange(64) != 17
+    assert np.abs(heavy[17] - x[17]).max() < 0.02 * np.abs(x[17]).max()
+    assert np.linalg.norm((heavy - x)[rest]) < 0.2 * np.linalg.norm((plain - x)[rest])
+
+
+# ------------------------------------------------------------------------------------------
+# JAX (jit, eager) and Torch against the oracle
+
+CASES = [
+    # (T, G, kind, format, base_group_size)
+    (70, 16, "key", "int4", None),
+    (70, 16, "value", "hint4", None),
+    (64, 64, "key", "hint2", None),
+    (33, 2, "value", "fp8_e4m3", None),
+    (5, 8, "value", "nvfp4", None),
+    (40, 8, "key", "int4", 3),
+    (0, 4, "key", "int4", None),
+]
+
+
+def _check(values, keys, table, t_g, kind, fmt, base, rows=None):
+    g = t_g
+    want_rows = oracle.select_heavy(keys, table, group_size=g) if rows is None else rows
+    enc = oracle.pack_heavy(
+        values, want_rows, format=fmt, kind=kind, group_size=g, base_group_size=base
+    )
+    if rows is None:
+        for eager in (False, True):
+            if eager:
+                with jax.disable_jit():
+                    got = kq.select_heavy(keys, table, group_size=g)
+            else:
+                got = kq.select_heavy(keys, table, group_size=g)
+            assert_same_bytes(np.asarray(got), want_rows, "jax rows")
+        got = kt.select_heavy(numpy_to_torch(keys), numpy_to_torch(table), group_size=g)
+        assert_same_bytes(to_numpy(got), want_rows, "torch rows")
+    args = dict(kind=kind, format=fmt, group_size=g, base_group_size=base)
+    for eager in (False, True):
+        if eager:
+            with jax.disable_jit():
+                packed = kq.pack_heavy(values, want_rows, **args)
+                decoded = [kq.unpack_heavy(packed, dt) for dt in DTYPES]
+        else:
+            packed = kq.pack_heavy(values, want_rows, **args)
+            decoded = [kq.unpack_heavy(packed, dt) for dt in DTYPES]
+        assert_packed_equal(packed.payload, enc.payload.arrays, "jax payload")
+        for name, array in enc.arrays.items():
+            assert_same_bytes(np.asarray(getattr(packed, name)), array, f"jax {name}")
+        for dt, got in zip(DTYPES, decoded, strict=True):
+            assert_same_values(np.asarray(got), oracle.unpack_heavy(enc, dt), f"jax as {dt}")
+    tp = kt.pack_heavy(numpy_to_torch(values), numpy_to_torch(want_rows), **args)
+    for name, array in enc.payload.arrays.items():
+        assert_same_bytes(to_numpy(getattr(tp.payload, name)), array, f"torch payload {name}")
+    for name, array in enc.arrays.items():
+        assert_same_bytes(to_numpy(getattr(tp, name)), array, f"torch {name}")
+    for dt in DTYPES:
+        got = to_numpy(kt.unpack_heavy(tp, dt))
+        assert_same_values(got, oracle.unpack_heavy(enc, dt), f"torch as {dt}")
+    return enc, packed, tp
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t, g, kind, fmt, base", CASES, ids=str)
+def test_jax_and_torch_equal_the_oracle(t, g, kind, fmt, base, dtype):
+    rng = np.random.default_rng(t + g)
+    d = 16
+    keys, values = _kv(rng, (t, 2, d), dtype), _kv(rng, (t, 2, d), dtype)
+    _, packed, tp = _check(values, keys, _table(rng, 2, 3, d), g, kind, fmt, base)
+    n = -(-t // g)
+    assert packed.storage_bytes == tp.storage_bytes
+    assert packed.storage_bytes == packed.payload.storage_bytes + n * 2 * (d + 5)
+    assert packed.shape == (t, 2, d) and packed.dtype == dtype and packed.group_size == g
+    if base is None and packed.payload.axis == "tokens":
+        assert packed.payload.group_size == g - 1
+
+
+def test_special_values_and_clamped_rows_on_every_stack():
+    """NaN and inf in heavy and payload rows, out-of-range rows (clamped), a zero row."""
+    rng = np.random.default_rng(5)
+    values = _kv(rng, (21, 2, 8), F32)
+    values[3, 0, 2] = np.nan  # a heavy row (row 3 of group 0, head 0)
+    values[9, 1, 0] = np.inf  # a payload row
+    values[16:] = 0.0  # the partial group: all zeros
+    rows = np.array([[3, 250], [1, 0], [9, 9]], np.uint8)  # 250 -> 7, 9 -> 4 (clamped)
+    enc, _, _ = _check(values, values, None, 8, "value", "int4", None, rows=rows)
+    assert enc.arrays["rows"].tolist() == [[3, 7], [1, 0], [4, 4]]
+    assert np.isnan(enc.arrays["scale"][0, 0]) and np.isfinite(enc.arrays["scale"][0, 1])
+    out = oracle.unpack_heavy(enc)
+    assert np.isnan(out[3, 0]).all() and np.isnan(out[9, 1]).all()
+    assert (out[16:] == 0).all()
+
+
+def test_heavy_kv_is_the_same_on_both_stacks_with_a_window():
+    rng = np.random.default_rng(6)
+    k, v = _kv(rng, (150, 3, 16), BF16), _kv(rng, (150, 3, 16), BF16)
+    table = _table(rng, 3, 3, 16)
+    window = kq.Window(sink=4, recent=16)
+    args = dict(key_format="int4", value_format="hint4", group_size=64, window=window)
+    k_hat, v_hat, hk, hv = heavy_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), **args)
+    tk, tv, _, _ = torch_heavy_kv(
+        numpy_to_torch(k), numpy_to_torch(v), numpy_to_torch(table), **args
+    )
+    assert_same_bytes(to_numpy(tk), np.asarray(k_hat), "k_hat")
+    assert_same_bytes(to_numpy(tv), np.asarray(v_hat), "v_hat")
+    # window rows raw; the middle is pack_heavy of the middle with rows from its keys
+    assert_same_bytes(np.asarray(k_hat)[:4], k[:4], "sink rows")
+    assert_same_bytes(np.asarray(v_hat)[-16:], v[-16:], "recent rows")
+    rows = oracle.select_heavy(k[4:134], table, group_size=64)
+    assert_same_bytes(np.asarray(hk.rows), rows, "rows from the middle keys")
+    assert_same_bytes(np.asarray(hv.rows), rows, "the values use the keys' rows")
+    enc = oracle.pack_heavy(v[4:134], rows, format="hint4", kind="value")
+    assert_same_values(np.asarray(v_hat)[4:134], oracle.unpack_heavy(enc), "middle")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="planted defect: last on ties")
+def test_planted_defect_last_maximum_is_caught():
+    keys = np.zeros((8, 1, 4), np.float32)
+    keys[2] = keys[5] = 1.0
+    want = oracle.select_heavy(keys, np.ones((1, 1, 4), BF16), group_size=8)
+    last = 7 - np.argmax(
+        np.asarray(kq.heavy.heavy_scores(keys, jnp.ones((1, 1, 4), jnp.bfloat16)))[::-1], 0
+    )
+    assert_same_bytes(last.astype(np.uint8).reshape(1, 1), want, "rows")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="planted defect: row kept")
+def test_planted_defect_payload_keeping_the_heavy_row_is_caught():
+    rng = np.random.default_rng(7)
+    x = _kv(rng, (32, 2, 8), F32)
+    rows = np.array([[5, 30]], np.uint8)
+    enc = oracle.pack_heavy(x, rows, format="int4", kind="key", group_size=32)
+    wrong = kq.pack_kv(x[:31], kind="key", format="int4", group_size=31)  # no row dropped
+    assert_packed_equal(wrong, enc.payload.arrays, "payload")
+
+
+# ------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(group_size=1), ValueError, "group_size must be in 2..256"),
+        (dict(group_size=257), ValueError, "group_size must be in 2..256"),
+        (dict(group_size=True), TypeError, "group_size must be an int"),
+        (dict(table=np.ones((2, 3, 8), np.float32)), TypeError, "table must have dtype bfloat16"),
+        (dict(table=np.ones((3, 3, 8), BF16)), ValueError, r"table must be \[H=2"),
+        (
+            dict(keys=np.ones((8, 2, 12), np.float32), table=np.ones((2, 1, 12), BF16)),
+            ValueError,
+            "D a power of two",
+        ),
+        (dict(keys=np.ones((8, 2), np.float32)), ValueError, "keys must have rank 3"),
+    ],
+)
+def test_bad_selection_arguments_name_the_argument(kwargs, error, match):
+    args = dict(keys=np.ones((8, 2, 8), np.float32), table=np.ones((2, 3, 8), BF16), group_size=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=match) as jax_error:
+        kq.select_heavy(args["keys"], args["table"], group_size=args["group_size"])
+    with pytest.raises(error, match=match) as torch_error:
+        kt.select_heavy(
+            numpy_to_torch(args["keys"]),
+            numpy_to_torch(args["table"]),
+            group_size=args["group_size"],
+        )
+    assert str(jax_error.value) == str(torch_error.value)
+
+
+@pytest.mark.parametrize(
+    "rows, kwargs, error, match",
+    [
+        (np.zeros((2, 2), np.uint8), {}, ValueError, r"rows must have shape \(3, 2\)"),
+        (np.zeros((3, 2), np.float32), {}, TypeError, "rows must have an integer dtype"),
+        (np.zeros((3, 2), np.uint8), dict(format="int5"), ValueError, "format must be one of"),
+        (np.zeros((3, 2), np.uint8), dict(kind="query"), ValueError, "kind must be one of"),
+        (np.zeros((3, 2), np.uint8), dict(group_size=300), ValueError, "group_size must be in"),
+    ],
+)
+def test_bad_storage_arguments_name_the_argument(rows, kwargs, error, match):
+    x = np.ones((9, 2, 8), np.float32)
+    args = {"kind": "key", "format": "int4", "group_size": 4, **kwargs}
+    with pytest.raises(error, match=match) as jax_error:
+        kq.pack_heavy(x, rows, **args)
+    with pytest.raises(error, match=match) as torch_error:
+        kt.pack_heavy(numpy_to_torch(x), numpy_to_torch(rows), **args)
+    assert str(jax_error.value) == str(torch_error.value)
+
+
+# ------------------------------------------------------------------------------------------
+# calibration, policy, report, hooks, engine
+
+
+def test_mean_query_table_and_its_file(tmp_path):
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((2, 40, 6, 8)).astype(np.float32)
+    table = calibration.mean_query_table(q, 2)
+    assert table.dtype == BF16 and table.shape == (2, 3, 8)
+    want = q[:, 4:].mean(axis=(0, 1)).reshape(2, 3, 8).astype(BF16)
+    assert_same_bytes(table, want, "mean query")
+    tables = calibration.KeyTables(("m",), {0: ((4,) * 8,) * 2}, 64, "test", mean_query={0: table})
+    calibration.save_key_tables(tmp_path / "t.npz", tables)
+    back = calibration.load_key_tables(tmp_path / "t.npz")
+    assert_same_bytes(back.heavy_table("p", 0), table, "round trip")
+    with pytest.raises(ValueError, match="no mean-query table for layer 1"):
+        back.heavy_table("p", 1)
+    plain = dataclasses.replace(tables, mean_query=None)
+    with pytest.raises(ValueError, match="has no mean-query tables"):
+        plain.heavy_table("p", 0)
+
+
+def test_shipped_heavy_tables_fit_smollm2():
+    tables = calibration.get_key_tables("smollm2-heavy")
+    assert sorted(tables.tables) == list(range(30)) and sorted(tables.mean_query) == list(range(30))
+    assert all(sum(row) == 240 for t in tables.tables.values() for row in t)  # 3.75 bits
+    assert all(m.shape == (3, 3, 64) and m.dtype == BF16 for m in tables.mean_query.values())
+
+
+def test_policy_checks():
+    with pytest.raises(ValueError, match="heavy rows need key_tables"):
+        Policy("p", "int4", "int4", heavy=64)
+    with pytest.raises(ValueError, match=r"must be in 2\.\.256"):
+        Policy("p", "intb", "intb", v_base_format="int4", key_tables="x", heavy=1)
+    with pytest.raises(TypeError, match="group size"):
+        Policy("p", "intb", "intb", v_base_format="int4", key_tables="x", heavy=True)
+    policy = POLICIES["intb-hint4-heavy-smollm2"]
+    with pytest.raises(ValueError, match="stores heavy rows"):
+        policy.loop_kwargs("value")
+    assert policy.absolute_loops("key", 4) == (1, 2, 3)
+    with pytest.raises(ValueError, match="heavy_table"):
+        policy.for_key_format("int4")
+
+
+def test_report_row_equals_explicit_heavy_calls():
+    """The intb-hint4-heavy-smollm2+win row on the embedded capture: K/V bytes and errors
+    equal per-(window, loop, layer) heavy_kv calls with each layer's shipped tables."""
+    from kvq_jax.formats.intb import register_table
+    from kvq_jax.report.capture import load_capture, select
+    from kvq_jax.report.evaluate import evaluate
+
+    capture = select(load_capture(), windows=[0])
+    policy = POLICIES["intb-hint4-heavy-smollm2+win"]
+    (row,) = evaluate(capture, [policy], show_progress=False)
+    tables = calibration.get_key_tables("smollm2-heavy")
+    k, v = np.asarray(capture.k), np.asarray(capture.v)
+    k_hat, v_hat = np.empty_like(k, np.float64), np.empty_like(v, np.float64)
+    k_bytes = v_bytes = 0
+    window_bytes = 20 * 3 * 64 * 2
+    for n, layer in enumerate(capture.meta["layers"]):
+        fmt = register_table(tables.table(layer))
+        table = jnp.asarray(tables.heavy_table("p", layer))
+        for loop in range(capture.num_loops):
+            kh, vh, hk, hv = heavy_kv(
+                jnp.asarray(k[0, loop, n]), jnp.asarray(v[0, loop, n]), table, key_format=fmt,
+                value_format="hint4", group_size=64, window=policy.window,
+            )  # fmt: skip
+            k_hat[0, loop, n], v_hat[0, loop, n] = np.asarray(kh), np.asarray(vh)
+            k_bytes += hk.storage_bytes + window_bytes
+            v_bytes += hv.storage_bytes + window_bytes
+    assert (row.k_storage_bytes, row.v_storage_bytes) == (k_bytes, v_bytes)
+    for x, x_hat, got in ((k, k_hat, row.k_rel_l2), (v, v_hat, row.v_rel_l2)):
+        x = x.astype(np.float64)
+        assert got == pytest.approx(np.sqrt(np.sum((x_hat - x) ** 2) / np.sum(x**2)), rel=1e-5)
+    assert row.k_absolute_loops == [1, 2, 3] and row.bits_per_element < 6.336
+
+
+def test_hook_codes_heavy_rows_as_heavy_kv(monkeypatch):
+    """A tiny model under a heavy policy: each layer's K/V passed on to attention equal
+    torch heavy_kv of the K/V that reached the hook (both coders give the same logits)."""
+    transformers = pytest.importorskip("transformers")
+    from kvq_torch_bridge.model_eval.evaluate import evaluate_policies
+    from kvq_torch_bridge.model_eval.loading import LoadedModel
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    rng = np.random.default_rng(9)
+    tables = calibration.KeyTables(
+        ("tiny",),
+        {i: ((4,) * 16,) * 2 for i in range(2)},
+        64,
+        "test",
+        mean_query={i: _table(rng, 2, 2, 16) for i in range(2)},
+    )
+    monkeypatch.setattr(calibration, "get_key_tables", lambda name: tables)
+    policy = Policy("h", "intb", "intb", group_size=64, v_base_format="hint4",
+                    v_residual_format="hint4", key_tables="tiny", heavy=8)  # fmt: skip
+    loaded = LoadedModel(model=model, tokenizer=None, loops=1, name="tiny", source={},
+                         emulated=False)  # fmt: skip
+    windows = rng.integers(3, 64, size=(2, 40))
+    res = {
+        c: evaluate_policies(loaded, windows, [policy], predictions=4, codec=c, record=True)
+        for c in ("torch", "jax")
+    }
+    assert torch.equal(res["torch"].results[-1].logits, res["jax"].results[-1].logits)
+    records = res["torch"].results[-1].quantizer.records
+    for layer in range(2):
+        rec = records[(layer, 0)]
+        table = torch.tensor(tables.mean_query[layer].astype(np.float32), dtype=torch.bfloat16)
+        fmt = kt.IntBCodec(tables.tables[layer]).name
+        for b in range(2):
+            k_hat, v_hat, _, _ = torch_heavy_kv(
+                rec["k_in"][b], rec["v_in"][b], table, key_format=fmt, value_format="hint4",
+                group_size=8,
+            )  # fmt: skip
+            assert torch.equal(k_hat, rec["k_out"][b]) and torch.equal(v_hat, rec["v_out"][b])
+            assert not torch.equal(rec["k_in"][b], rec["k_out"][b])
+
+
+def test_engine_refuses_heavy_policies():
+    from kvq_jax.engine import engine
+
+    policy = POLICIES["intb-hint4-heavy-smollm2"]
+    with pytest.raises(ValueError, match="stores heavy rows"):
+        engine.layer_policies(policy, model=None)
+    with pytest.raises(ValueError, match="stores heavy rows"):
+        engine.cache_config_for(
+            policy, num_pages=2, page_size=64, num_heads=3, head_dim=64, dtype="bfloat16",
+            num_loops=1, max_seqs=1,
+        )  # fmt: skip
