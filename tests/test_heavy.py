@@ -433,3 +433,36 @@ def test_engine_refuses_heavy_policies():
             policy, num_pages=2, page_size=64, num_heads=3, head_dim=64, dtype="bfloat16",
             num_loops=1, max_seqs=1,
         )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------
+# conformance vectors
+
+
+def test_heavy_vectors_are_the_oracles_and_pass_on_both_stacks():
+    from kvq_jax.conformance.heavy import check_heavy, generate_heavy, load_heavy_vectors
+
+    shipped = load_heavy_vectors()
+    fresh = generate_heavy()
+    assert [c.name for c in shipped] == [c.name for c in fresh] and len(shipped) >= 20
+    for old, new in zip(shipped, fresh, strict=True):
+        assert_same_bytes(new.rows, old.rows, f"{old.name} rows")
+        for name, array in old.arrays.items():
+            assert_same_bytes(new.arrays[name], array, f"{old.name} {name}")
+        assert_same_bytes(new.decoded, old.decoded, f"{old.name} decoded")
+    assert {c.format for c in shipped} >= {"int4", "hint4", "int2", "nvfp4", "fp8_e4m3"}
+    assert {c.keys.dtype.name for c in shipped} == {"bfloat16", "float16", "float32"}
+    for stack, mod, kind in (("jax", kq, "jax"), ("torch", kt, "torch")):
+        results = check_heavy(
+            mod.select_heavy, mod.pack_heavy, unpack_fn=mod.unpack_heavy, input_kind=kind
+        )
+        assert all(r.passed for r in results), (stack, [r.detail for r in results if not r.passed])
+
+    def last_row(keys, table, *, group_size):  # a wrong selection: the last row of each group
+        rows = np.asarray(kq.select_heavy(keys, table, group_size=group_size))
+        return np.full_like(rows, group_size - 1)
+
+    failed = {
+        r.name for r in check_heavy(last_row, kq.pack_heavy, input_kind="jax") if not r.passed
+    }
+    assert failed == {c.name for c in shipped if c.keys.shape[0]}

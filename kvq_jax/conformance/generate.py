@@ -1,6 +1,7 @@
 """Regenerate the conformance vectors from the scalar oracle.
 
 python -m kvq_jax.conformance.generate [PATH]    # default: the shipped vectors_v1.npz
+                                                 # (and heavy_v1.npz, heavy rows)
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def main(argv=None) -> int:
     cases = generate()
     save_vectors(cases, path)
     print(f"wrote {len(cases)} cases to {path}")
+    if not argv:  # the shipped files: the heavy-row vectors too
+        from kvq_jax.conformance.heavy import (
+            HEAVY_VECTORS_PATH,
+            generate_heavy,
+            save_heavy_vectors,
+        )
+
+        heavy = generate_heavy()
+        save_heavy_vectors(heavy, HEAVY_VECTORS_PATH)
+        print(f"wrote {len(heavy)} heavy-row cases to {HEAVY_VECTORS_PATH}")
     return 0
 
 
