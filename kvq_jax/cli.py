@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from kvq_jax.report.command import REPORT_DESCRIPTION, add_common_arguments
@@ -55,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="registers an INTB bit table in the implementation's stack before its cases "
         "(kvq's: kvq_jax.formats.intb:register_table); without it those cases are skipped",
     )
+    conf.add_argument(
+        "--heavy",
+        default=None,
+        metavar="MODULE",
+        help="also run the heavy-row vectors (FORMAT.md 5a) through MODULE's select_heavy, "
+        "pack_heavy and unpack_heavy (kvq's: kvq_jax, kvq_torch_bridge)",
+    )
     from kvq_jax.engine import generate
 
     gen = sub.add_parser(
@@ -96,6 +104,10 @@ def conformance(args) -> int:
     results = conf.check_pack(
         pack, unpack_fn=unpack, input_kind=args.input, cases=cases, register_table=register
     )
+    if args.heavy:
+        heavy = [load_callable(f"{args.heavy}:{n}_heavy") for n in ("select", "pack", "unpack")]
+        more = conf.check_heavy(heavy[0], heavy[1], unpack_fn=heavy[2], input_kind=args.input)
+        results += [dataclasses.replace(r, name=f"heavy/{r.name}") for r in more]
     print(conf.format_report(results))
     return 0 if all(r.passed or r.skipped for r in results) else 1
 

@@ -466,3 +466,12 @@ def test_heavy_vectors_are_the_oracles_and_pass_on_both_stacks():
         r.name for r in check_heavy(last_row, kq.pack_heavy, input_kind="jax") if not r.passed
     }
     assert failed == {c.name for c in shipped if c.keys.shape[0]}
+
+
+def test_kvq_conformance_runs_the_heavy_vectors(capsys):
+    from kvq_jax import cli
+
+    argv = ["conformance", "kvq_torch_bridge:pack_kv", "--input", "torch"]
+    assert cli.main([*argv, "--heavy", "kvq_torch_bridge"]) == 0
+    out = capsys.readouterr().out
+    assert "heavy        int4" in out and "0 failed" in out
