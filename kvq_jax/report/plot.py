@@ -35,6 +35,7 @@ def write_plot(results: list[PolicyResult], path, title: str = "") -> None:
         raise ImportError("--plot needs matplotlib: pip install -e '.[plot]'") from e
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     panels = (
         ("K relative L2 (%)", lambda r: r.k_rel_l2),
@@ -44,9 +45,14 @@ def write_plot(results: list[PolicyResult], path, title: str = "") -> None:
          lambda r: r.attention_decode_mean),
     )  # fmt: skip
     fig, axes = plt.subplots(2, 2, figsize=(14, 10.5), constrained_layout=True)
+    # error 0 (the bf16 reference) has no place on a log axis: it is named in the title
+    results = [r for r in results if r.k_rel_l2 > 0 or r.v_rel_l2 > 0]
+    if not results:
+        plt.close(fig)
+        raise ValueError("results: no quantized policy to plot")
     xmax = max(r.bits_per_element for r in results)
     for ax, (label, value) in zip(axes.flat, panels, strict=True):
-        points = [(r, 100 * value(r)) for r in results if value(r) is not None]
+        points = [(r, 100 * value(r)) for r in results if value(r) is not None and value(r) > 0]
         for r, y in points:
             windowed = r.window is not None
             ax.scatter(
@@ -62,11 +68,19 @@ def write_plot(results: list[PolicyResult], path, title: str = "") -> None:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.set_xlim(min(3.5, *(r.bits_per_element - 0.5 for r in results)), xmax * 1.1 + 1)
-        ax.set_ylim(0, max([1e-3, *(y for _, y in points)]) * 1.15)
+        ax.set_yscale("log")  # errors span 1% to 50%: a log axis keeps the 4-bit cluster apart
+        plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ys = [y for _, y in points] or [1.0]
+        ax.set_ylim(min(ys) / 1.25, max(ys) * 1.4)
         if not points:
             ax.text(0.5, 0.5, "no queries in the capture", ha="center", transform=ax.transAxes)
         _label_points(ax, fig, points)
-    legend = "filled: no window; open squares: +win (first 4 and last 16 tokens kept in bf16)"
+    legend = (
+        "filled: no window; open squares: +win (first 4 and last 16 tokens kept in bf16); "
+        "log error axes (bf16, 16 bits and 0% error, not drawn)"
+    )
     fig.suptitle(f"{title or 'kvq report'}\n{legend}", fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
