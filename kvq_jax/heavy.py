@@ -28,7 +28,6 @@ from kvq_jax.core.heavy import (
 )
 from kvq_jax.core.layouts import check_float_dtype
 from kvq_jax.formats.int4 import dequantize_groups, group_range, quantize_groups
-from kvq_jax.packed import PackedKV
 from kvq_jax.registry import get_codec
 
 __all__ = ["HeavyKV", "pack_heavy", "select_heavy", "unpack_heavy"]
@@ -187,10 +186,6 @@ def unpack_heavy(packed: HeavyKV, dtype=None) -> jnp.ndarray:
     from_heavy = heavy[grp]
     out = jnp.where((i == r)[:, :, None], from_heavy, from_rest) if t else from_heavy
     return out.astype(dtype)
-
-
-def _payload_type_check(payload) -> None:  # pragma: no cover - documentation of the field
-    assert isinstance(payload, PackedKV)
 
 
 def heavy_kv(keys, values, table, *, key_format, value_format, group_size, window=None):
