@@ -29,6 +29,7 @@ from kvq_jax.core.heavy import (
 from kvq_jax.core.layouts import check_float_dtype
 from kvq_jax.formats.int4 import dequantize_groups, group_range, quantize_groups
 from kvq_jax.registry import get_codec
+from kvq_jax.rope import apply_rope, invert_rope
 
 __all__ = ["HeavyKV", "pack_heavy", "select_heavy", "unpack_heavy"]
 
@@ -188,20 +189,27 @@ def unpack_heavy(packed: HeavyKV, dtype=None) -> jnp.ndarray:
     return out.astype(dtype)
 
 
-def heavy_kv(keys, values, table, *, key_format, value_format, group_size, window=None):
+def heavy_kv(keys, values, table, *, key_format, value_format, group_size, window=None, rope=None):
     """One layer's keys and values [T, H, D] stored with heavy rows: the rows chosen from the
     keys' packed rows (the window's raw rows, if any, are kept and not chosen from), the same
-    rows for the values. Returns (k_hat, v_hat, k_packed, v_packed): the reconstructions
-    [T, H, D] (window rows exact) and the two `HeavyKV` of the packed rows. Traceable (the
-    report and the model hooks call it once per loop)."""
+    rows for the values. `rope`: (cos, sin) [T, 1, D] of the keys' positions to store the keys
+    before RoPE (the rows are still chosen from the RoPE'd keys; the decoded keys are rotated
+    back), or None. Returns (k_hat, v_hat, k_packed, v_packed): the reconstructions [T, H, D]
+    (window rows exact) and the two `HeavyKV` of the packed rows. Traceable (the report and
+    the model hooks call it once per loop)."""
     t = keys.shape[0]
     h, m, _ = window.split_sizes(t) if window is not None else (0, t, 0)
     mid = slice(h, h + m)
     rows = select_heavy(keys[mid], table, group_size=group_size)
+    stored = keys if rope is None else invert_rope(keys, *rope).astype(keys.dtype)
     out = []
-    for kind, x, fmt in (("key", keys, key_format), ("value", values, value_format)):
+    for kind, x, fmt in (("key", stored, key_format), ("value", values, value_format)):
         packed = pack_heavy(x[mid], rows, kind=kind, format=fmt, group_size=group_size)
-        x_hat = jnp.concatenate([x[:h], unpack_heavy(packed).astype(x.dtype), x[h + m :]])
+        x_hat = unpack_heavy(packed, np.dtype(np.float32))
+        if kind == "key" and rope is not None:
+            x_hat = apply_rope(x_hat, *(a[mid] for a in rope))
+        source = keys if kind == "key" else values
+        x_hat = jnp.concatenate([source[:h], x_hat.astype(source.dtype), source[h + m :]])
         out.append((x_hat, packed))
     (k_hat, k_packed), (v_hat, v_packed) = out
     return k_hat, v_hat, k_packed, v_packed

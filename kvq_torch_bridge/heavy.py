@@ -24,6 +24,7 @@ from kvq_torch_bridge.codec import check_float_dtype, check_tensor, check_values
 from kvq_torch_bridge.formats.int4 import dequantize, quantize
 from kvq_torch_bridge.packed import register_pytree
 from kvq_torch_bridge.registry import get_codec
+from kvq_torch_bridge.rope import apply_rope, invert_rope
 
 __all__ = ["HeavyKV", "pack_heavy", "select_heavy", "unpack_heavy"]
 
@@ -163,17 +164,23 @@ def unpack_heavy(packed: HeavyKV, dtype=None) -> torch.Tensor:
     return out.to(torch_dtype(dtype)).contiguous()
 
 
-def heavy_kv(keys, values, table, *, key_format, value_format, group_size, window=None):
+def heavy_kv(keys, values, table, *, key_format, value_format, group_size, window=None, rope=None):
     """One layer's keys and values [T, H, D] with heavy rows (`kvq_jax.heavy.heavy_kv`, the
-    same bytes): rows chosen from the keys' packed rows, window rows kept raw. Returns
-    (k_hat, v_hat, k_packed, v_packed)."""
+    same arguments and bytes): rows chosen from the keys' packed rows, window rows kept raw,
+    keys stored before RoPE when `rope` = (cos, sin) [T, 1, D] is given. Returns (k_hat,
+    v_hat, k_packed, v_packed)."""
     t = keys.shape[0]
     h, m, _ = window.split_sizes(t) if window is not None else (0, t, 0)
     rows = select_heavy(keys[h : h + m], table, group_size=group_size)
+    stored = keys if rope is None else invert_rope(keys, *rope).to(keys.dtype)
     out = []
-    for kind, x, fmt in (("key", keys, key_format), ("value", values, value_format)):
+    for kind, x, fmt in (("key", stored, key_format), ("value", values, value_format)):
         packed = pack_heavy(x[h : h + m], rows, kind=kind, format=fmt, group_size=group_size)
-        x_hat = torch.cat([x[:h], unpack_heavy(packed).to(x.dtype), x[h + m :]])
+        x_hat = unpack_heavy(packed, np.dtype(np.float32))
+        if kind == "key" and rope is not None:
+            x_hat = apply_rope(x_hat, *(a[h : h + m] for a in rope))
+        source = keys if kind == "key" else values
+        x_hat = torch.cat([source[:h], x_hat.to(source.dtype), source[h + m :]])
         out.append((x_hat, packed))
     (k_hat, k_packed), (v_hat, v_packed) = out
     return k_hat, v_hat, k_packed, v_packed

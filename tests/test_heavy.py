@@ -24,6 +24,7 @@ import kvq_jax as kq
 from kvq_jax import oracle
 from kvq_jax.core import calibration
 from kvq_jax.core.policies import POLICIES, Policy
+from kvq_jax.core.rope import rope_tables
 from kvq_jax.heavy import heavy_kv
 
 torch = pytest.importorskip("torch")
@@ -202,26 +203,40 @@ def test_special_values_and_clamped_rows_on_every_stack():
     assert (out[16:] == 0).all()
 
 
-def test_heavy_kv_is_the_same_on_both_stacks_with_a_window():
+@pytest.mark.parametrize("pre_rope", [False, True], ids=["post-rope", "pre-rope"])
+def test_heavy_kv_is_the_same_on_both_stacks_with_a_window(pre_rope):
     rng = np.random.default_rng(6)
     k, v = _kv(rng, (150, 3, 16), BF16), _kv(rng, (150, 3, 16), BF16)
     table = _table(rng, 3, 3, 16)
     window = kq.Window(sink=4, recent=16)
     args = dict(key_format="int4", value_format="hint4", group_size=64, window=window)
-    k_hat, v_hat, hk, hv = heavy_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), **args)
+    rope = rope_tables(150, 16, 10000.0) if pre_rope else None
+    j_rope = None if rope is None else tuple(map(jnp.asarray, rope))
+    t_rope = None if rope is None else tuple(map(torch.from_numpy, rope))
+    k_hat, v_hat, hk, hv = heavy_kv(
+        jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), rope=j_rope, **args
+    )
     tk, tv, _, _ = torch_heavy_kv(
-        numpy_to_torch(k), numpy_to_torch(v), numpy_to_torch(table), **args
+        numpy_to_torch(k), numpy_to_torch(v), numpy_to_torch(table), rope=t_rope, **args
     )
     assert_same_bytes(to_numpy(tk), np.asarray(k_hat), "k_hat")
     assert_same_bytes(to_numpy(tv), np.asarray(v_hat), "v_hat")
     # window rows raw; the middle is pack_heavy of the middle with rows from its keys
     assert_same_bytes(np.asarray(k_hat)[:4], k[:4], "sink rows")
     assert_same_bytes(np.asarray(v_hat)[-16:], v[-16:], "recent rows")
-    rows = oracle.select_heavy(k[4:134], table, group_size=64)
+    rows = oracle.select_heavy(k[4:134], table, group_size=64)  # from the RoPE'd keys
     assert_same_bytes(np.asarray(hk.rows), rows, "rows from the middle keys")
     assert_same_bytes(np.asarray(hv.rows), rows, "the values use the keys' rows")
     enc = oracle.pack_heavy(v[4:134], rows, format="hint4", kind="value")
     assert_same_values(np.asarray(v_hat)[4:134], oracle.unpack_heavy(enc), "middle")
+    if pre_rope:  # the stored keys are the keys rotated back (positions 0 .. T-1)
+        cos, sin = (a.astype(np.float64) for a in rope)
+        x = k.astype(np.float64)
+        pre = x * cos - np.concatenate([-x[..., 8:], x[..., :8]], -1) * sin
+        enc = oracle.pack_heavy(pre.astype(np.float32).astype(BF16)[4:134], rows,
+                                format="int4", kind="key")  # fmt: skip
+        assert_same_bytes(np.asarray(hk.codes), enc.arrays["codes"], "pre-RoPE heavy codes")
+        assert np.abs(np.asarray(k_hat, np.float32) - k.astype(np.float32)).max() < 0.5
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="planted defect: last on ties")
@@ -341,30 +356,46 @@ def test_policy_checks():
     assert policy.absolute_loops("key", 4) == (1, 2, 3)
     with pytest.raises(ValueError, match="heavy_table"):
         policy.for_key_format("int4")
+    with pytest.raises(ValueError, match="implemented for heavy-row policies"):
+        Policy("p", "intb", "intb", v_base_format="int4", key_tables="x", pre_rope=True)
+    table = np.ones((3, 3, 64), BF16)
+    with pytest.raises(ValueError, match="must not be calibrated for a RoPE base"):
+        policy.for_key_format("int4", table, rope_theta=1e4)
+    pre = POLICIES["intb-prerope-hint4-heavy-smollm2"]
+    with pytest.raises(ValueError, match="must give a RoPE base"):
+        pre.for_key_format("int4", table)
+    assert pre.for_key_format("int4", table, 1e5).rope_theta == 1e5
 
 
-def test_report_row_equals_explicit_heavy_calls():
-    """The intb-hint4-heavy-smollm2+win row on the embedded capture: K/V bytes and errors
-    equal per-(window, loop, layer) heavy_kv calls with each layer's shipped tables."""
+@pytest.mark.parametrize(
+    "name", ["intb-hint4-heavy-smollm2+win", "intb-prerope-hint4-heavy-smollm2"]
+)
+def test_report_row_equals_explicit_heavy_calls(name):
+    """A heavy policy's row on the embedded capture: K/V bytes and errors equal
+    per-(window, loop, layer) heavy_kv calls with each layer's shipped tables (keys rotated
+    back before packing for the pre-RoPE policy)."""
     from kvq_jax.formats.intb import register_table
     from kvq_jax.report.capture import load_capture, select
     from kvq_jax.report.evaluate import evaluate
 
     capture = select(load_capture(), windows=[0])
-    policy = POLICIES["intb-hint4-heavy-smollm2+win"]
+    policy = POLICIES[name]
     (row,) = evaluate(capture, [policy], show_progress=False)
-    tables = calibration.get_key_tables("smollm2-heavy")
+    tables = calibration.get_key_tables(policy.key_tables)
+    rope = None
+    if policy.pre_rope:
+        rope = tuple(map(jnp.asarray, rope_tables(capture.num_tokens, 64, tables.rope_theta)))
     k, v = np.asarray(capture.k), np.asarray(capture.v)
     k_hat, v_hat = np.empty_like(k, np.float64), np.empty_like(v, np.float64)
     k_bytes = v_bytes = 0
-    window_bytes = 20 * 3 * 64 * 2
+    window_bytes = 20 * 3 * 64 * 2 if policy.window else 0
     for n, layer in enumerate(capture.meta["layers"]):
         fmt = register_table(tables.table(layer))
         table = jnp.asarray(tables.heavy_table("p", layer))
         for loop in range(capture.num_loops):
             kh, vh, hk, hv = heavy_kv(
                 jnp.asarray(k[0, loop, n]), jnp.asarray(v[0, loop, n]), table, key_format=fmt,
-                value_format="hint4", group_size=64, window=policy.window,
+                value_format="hint4", group_size=64, window=policy.window, rope=rope,
             )  # fmt: skip
             k_hat[0, loop, n], v_hat[0, loop, n] = np.asarray(kh), np.asarray(vh)
             k_bytes += hk.storage_bytes + window_bytes
@@ -374,9 +405,13 @@ def test_report_row_equals_explicit_heavy_calls():
         x = x.astype(np.float64)
         assert got == pytest.approx(np.sqrt(np.sum((x_hat - x) ** 2) / np.sum(x**2)), rel=1e-5)
     assert row.k_absolute_loops == [1, 2, 3] and row.bits_per_element < 6.336
+    if policy.pre_rope:  # not the post-RoPE policy's numbers
+        (post,) = evaluate(capture, [POLICIES["intb-hint4-heavy-smollm2"]], show_progress=False)
+        assert post.k_rel_l2 != pytest.approx(row.k_rel_l2, rel=1e-2)
 
 
-def test_hook_codes_heavy_rows_as_heavy_kv(monkeypatch):
+@pytest.mark.parametrize("pre_rope", [False, True], ids=["post-rope", "pre-rope"])
+def test_hook_codes_heavy_rows_as_heavy_kv(monkeypatch, pre_rope):
     """A tiny model under a heavy policy: each layer's K/V passed on to attention equal
     torch heavy_kv of the K/V that reached the hook (both coders give the same logits)."""
     transformers = pytest.importorskip("transformers")
@@ -396,10 +431,12 @@ def test_hook_codes_heavy_rows_as_heavy_kv(monkeypatch):
         64,
         "test",
         mean_query={i: _table(rng, 2, 2, 16) for i in range(2)},
+        rope_theta=10000.0 if pre_rope else None,
     )
     monkeypatch.setattr(calibration, "get_key_tables", lambda name: tables)
     policy = Policy("h", "intb", "intb", group_size=64, v_base_format="hint4",
-                    v_residual_format="hint4", key_tables="tiny", heavy=8)  # fmt: skip
+                    v_residual_format="hint4", key_tables="tiny", heavy=8,
+                    pre_rope=pre_rope)  # fmt: skip
     loaded = LoadedModel(model=model, tokenizer=None, loops=1, name="tiny", source={},
                          emulated=False)  # fmt: skip
     windows = rng.integers(3, 64, size=(2, 40))
@@ -413,10 +450,13 @@ def test_hook_codes_heavy_rows_as_heavy_kv(monkeypatch):
         rec = records[(layer, 0)]
         table = torch.tensor(tables.mean_query[layer].astype(np.float32), dtype=torch.bfloat16)
         fmt = kt.IntBCodec(tables.tables[layer]).name
+        rope = None
+        if pre_rope:
+            rope = tuple(map(torch.from_numpy, rope_tables(rec["k_in"].shape[1], 16, 10000.0)))
         for b in range(2):
             k_hat, v_hat, _, _ = torch_heavy_kv(
                 rec["k_in"][b], rec["v_in"][b], table, key_format=fmt, value_format="hint4",
-                group_size=8,
+                group_size=8, rope=rope,
             )  # fmt: skip
             assert torch.equal(k_hat, rec["k_out"][b]) and torch.equal(v_hat, rec["v_out"][b])
             assert not torch.equal(rec["k_in"][b], rec["k_out"][b])
@@ -433,6 +473,60 @@ def test_engine_refuses_heavy_policies():
             policy, num_pages=2, page_size=64, num_heads=3, head_dim=64, dtype="bfloat16",
             num_loops=1, max_seqs=1,
         )  # fmt: skip
+
+
+def test_rope_tables_and_both_stacks():
+    """cos/sin equal the float64 formula rounded once; JAX and Torch rotate to the same bits;
+    the inverse undoes the rotation to float32 rounding."""
+    from kvq_jax.rope import apply_rope, invert_rope
+    from kvq_torch_bridge import rope as trope
+
+    cos, sin = rope_tables(50, 8, 10000.0, offset=3)
+    angle = np.arange(3, 53)[:, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)
+    angle = np.concatenate([angle, angle], 1)[:, None]
+    assert_same_bytes(cos, np.cos(angle).astype(np.float32), "cos")
+    assert_same_bytes(sin, np.sin(angle).astype(np.float32), "sin")
+    x = np.random.default_rng(10).standard_normal((50, 2, 8)).astype(np.float32)
+    for fn, tfn in ((apply_rope, trope.apply_rope), (invert_rope, trope.invert_rope)):
+        want = to_numpy(tfn(*map(torch.from_numpy, (x, cos, sin))))
+        assert_same_bytes(np.asarray(jax.jit(fn)(x, cos, sin)), want, fn.__name__)
+    back = np.asarray(apply_rope(invert_rope(x, cos, sin), cos, sin))
+    np.testing.assert_allclose(back, x, atol=1e-6)
+    with pytest.raises(ValueError, match="even head dim"):
+        rope_tables(4, 7, 10000.0)
+
+
+def test_pre_rope_tables_weight_keys_before_rope():
+    """intb_bit_table(rope_theta=...) allocates on the rotated-back keys, with channel c's
+    query energy mixed with its partner's by the share of aligned distances (a numpy
+    re-derivation), and differs from the post-RoPE table."""
+    from kvq_jax.core.rope import rope_aware_weights
+
+    rng = np.random.default_rng(11)
+    t, d = 96, 16
+    k = rng.standard_normal((2, t, 1, d)) * np.linspace(0.2, 3, d)
+    q = rng.standard_normal((2, t, 2, d)) * np.linspace(3, 0.2, d)
+    got = calibration.intb_bit_table(k, q, rope_theta=500.0, group_size=32)
+    angle = np.arange(t)[:, None] * 500.0 ** (-np.arange(0, d, 2) / d)
+    cos = np.cos(np.concatenate([angle, angle], 1))[:, None].astype(np.float32)
+    sin = np.sin(np.concatenate([angle, angle], 1))[:, None].astype(np.float32)
+
+    def unrope(x):
+        return x * cos - np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
+
+    kp, qp = unrope(k), unrope(q)
+    energy = (qp**2).mean(axis=(0, 1)).sum(axis=0)[None]
+    dist = np.arange(16, t)
+    inv = 500.0 ** (-np.arange(0, d, 2) / d)
+    a = np.tile((np.cos(inv[:, None] * dist[None]) ** 2).mean(1), 2)
+    assert np.allclose(a, rope_aware_weights(d, 500.0, t))
+    energy = a * energy + (1 - a) * np.concatenate([energy[:, d // 2 :], energy[:, : d // 2]], 1)
+    spans = np.mean(
+        [(kp[:, s : s + 32].max(1) - kp[:, s : s + 32].min(1)) ** 2 for s in range(0, t, 32)],
+        axis=(0, 1),
+    )
+    assert got == calibration.allocate_bits(energy * spans)
+    assert got != calibration.intb_bit_table(k, q, group_size=32)
 
 
 # ------------------------------------------------------------------------------------------

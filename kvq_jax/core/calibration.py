@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from kvq_jax.core.layouts import check_bit_table, check_group_size
+from kvq_jax.core.rope import rope_aware_weights, rope_tables
 
 
 def _as_4d(x, name: str) -> np.ndarray:
@@ -94,16 +95,38 @@ def intb_bit_table(
     group_size: int = 64,
     min_bits: int = 1,
     max_bits: int = 8,
+    rope_theta: float | None = None,
 ) -> tuple[tuple[int, ...], ...]:
-    """The INTB key bit table for one layer from calibration samples, as stored (post-RoPE).
+    """The INTB key bit table for one layer from calibration samples, as stored: post-RoPE,
+    or with `rope_theta` for keys stored before RoPE (the captured keys and queries are
+    rotated back; channel c's query energy mixes with its rotation partner's by the share
+    `core.rope.rope_aware_weights` of query-key distances where they stay aligned).
 
     keys: [N, T, H, D] or [T, H, D]; queries: [N, T, Hq, D] or [T, Hq, D], Hq a multiple of
     H. The table has `mean_bits * D` bits per head (4.0 at G = 64: INT4 G64's 4.5
     bits/element with the metadata). Calibrate on other text than you evaluate on.
     """
     k = _as_4d(keys, "keys")
-    weight = query_energy(queries, k.shape[2]) * group_span_power(k, group_size)
+    if rope_theta is None:
+        energy = query_energy(queries, k.shape[2])
+    else:  # keys stored before RoPE: tables for the pre-RoPE channels
+        q = _as_4d(queries, "queries")
+        cos, sin = rope_tables(k.shape[1], k.shape[3], rope_theta)
+        k = _unrope(k, cos, sin)
+        energy = query_energy(_unrope(q, cos, sin), k.shape[2])
+        a = rope_aware_weights(k.shape[3], rope_theta, k.shape[1])
+        d2 = k.shape[3] // 2
+        partner = np.concatenate([energy[:, d2:], energy[:, :d2]], axis=1)
+        energy = a * energy + (1 - a) * partner
+    weight = energy * group_span_power(k, group_size)
     return allocate_bits(weight, mean_bits=mean_bits, min_bits=min_bits, max_bits=max_bits)
+
+
+def _unrope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """[N, T, H, D] float64 rotated back to before RoPE (positions 0 .. T-1)."""
+    h = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+    return x * cos.astype(np.float64) - rotated * sin.astype(np.float64)
 
 
 def mean_query_table(queries, num_kv_heads: int, *, skip: int = 4) -> np.ndarray:
@@ -131,6 +154,8 @@ class KeyTables:
     source: what they were calibrated on (text, tokens, capture).
     mean_query: model layer index -> bfloat16 [H, R, D] heavy-row selection table
       (`mean_query_table`), or None when the set has none.
+    rope_theta: the RoPE base the tables were calibrated for keys stored before RoPE, or
+      None for post-RoPE keys (the cache's keys as the model hands them over).
     """
 
     models: tuple[str, ...]
@@ -138,6 +163,7 @@ class KeyTables:
     group_size: int
     source: str
     mean_query: dict[int, np.ndarray] | None = None
+    rope_theta: float | None = None
 
     def check_fit(self, policy_name: str, model_names, num_layers: int) -> None:
         """ValueError unless one of `model_names` (the names a model goes by; the first is
@@ -181,6 +207,8 @@ def save_key_tables(path, key_tables: KeyTables) -> None:
     meta = dict(
         models=list(key_tables.models), group_size=key_tables.group_size, source=key_tables.source
     )
+    if key_tables.rope_theta is not None:
+        meta["rope_theta"] = float(key_tables.rope_theta)
     extra = {}
     if key_tables.mean_query is not None:
         mq = np.stack([np.asarray(key_tables.mean_query[i], ml_dtypes.bfloat16) for i in layers])
@@ -208,11 +236,16 @@ def load_key_tables(path) -> KeyTables:
         group_size=check_group_size(int(meta["group_size"])),
         source=str(meta["source"]),
         mean_query=None if mq is None else {int(i): m for i, m in zip(layers, mq, strict=True)},
+        rope_theta=meta.get("rope_theta"),
     )
 
 
 #: Shipped table sets: name -> file beside the embedded capture (kvq_jax/report/data).
-SHIPPED_KEY_TABLES = {"smollm2": "intb_smollm2.npz", "smollm2-heavy": "intb_smollm2_heavy.npz"}
+SHIPPED_KEY_TABLES = {
+    "smollm2": "intb_smollm2.npz",
+    "smollm2-heavy": "intb_smollm2_heavy.npz",
+    "smollm2-heavy-prerope": "intb_smollm2_heavy_prerope.npz",
+}
 _DATA = pathlib.Path(__file__).resolve().parents[1] / "report" / "data"
 
 

@@ -58,6 +58,10 @@ class Policy:
       with its own rows: absolute), in its base formats (K payload groups of G - 1 tokens).
     heavy_table: one layer's bfloat16 mean-query table as nested tuples [H][R][D] (set by
       `for_key_format` on a key_tables policy's per-layer policies; static).
+    pre_rope: store the keys before RoPE (KVQuant): RoPE is inverted before packing and
+      re-applied after decoding, with the base its key tables were calibrated for (their
+      `rope_theta`); heavy rows are still chosen from the RoPE'd keys. Heavy policies only.
+    rope_theta: that base, set by `for_key_format` on a pre_rope policy's per-layer policies.
     """
 
     name: str
@@ -72,8 +76,17 @@ class Policy:
     key_tables: str | None = None
     heavy: int | None = None
     heavy_table: tuple | None = None
+    pre_rope: bool = False
+    rope_theta: float | None = None
 
     def __post_init__(self):
+        if not isinstance(self.pre_rope, bool):
+            raise TypeError(f"Policy.pre_rope must be a bool, got {self.pre_rope!r}")
+        if self.pre_rope and self.heavy is None:
+            raise ValueError(
+                "Policy.pre_rope: keys before RoPE are implemented for heavy-row policies "
+                "(every loop stored whole); set heavy"
+            )
         if self.heavy is not None:
             if isinstance(self.heavy, bool) or not isinstance(self.heavy, int):
                 raise TypeError(
@@ -112,10 +125,21 @@ class Policy:
                 raise ValueError(f"Policy.{field}: a loop is listed twice in {loops!r}")
             object.__setattr__(self, field, tuple(sorted(loops)))
 
-    def for_key_format(self, key_format: str, heavy_table=None) -> Policy:
+    def for_key_format(self, key_format: str, heavy_table=None, rope_theta=None) -> Policy:
         """This policy with its keys in `key_format` in every loop (a key_tables policy's
-        policy for one layer, whose INTB format is registered under `key_format`), and for a
-        heavy policy that layer's mean-query table (an array [H, R, D] of bfloat16 values)."""
+        policy for one layer, whose INTB format is registered under `key_format`), for a
+        heavy policy that layer's mean-query table (an array [H, R, D] of bfloat16 values),
+        and for a pre_rope policy the RoPE base of its tables."""
+        if self.pre_rope != (rope_theta is not None):
+            raise ValueError(
+                f"rope_theta: policy {self.name!r} "
+                + (
+                    "stores keys before RoPE: its tables must give"
+                    if self.pre_rope
+                    else "stores RoPE'd keys: its tables must not be calibrated for"
+                )
+                + " a RoPE base"
+            )
         table = None
         if self.heavy is not None:
             if heavy_table is None:
@@ -130,6 +154,7 @@ class Policy:
             residual_format=key_format,
             key_tables=None,
             heavy_table=table,
+            rope_theta=None if rope_theta is None else float(rope_theta),
         )
 
     @property
@@ -324,6 +349,19 @@ POLICIES: dict[str, Policy] = {
                     v_residual_format="hint4",
                     key_tables="smollm2-heavy",
                     heavy=64,
+                ),
+                # The same with the keys stored before RoPE (KVQuant; tables calibrated for
+                # pre-RoPE keys with RoPE-aware query energy).
+                Policy(
+                    "intb-prerope-hint4-heavy-smollm2",
+                    "intb",
+                    "intb",
+                    group_size=64,
+                    v_base_format="hint4",
+                    v_residual_format="hint4",
+                    key_tables="smollm2-heavy-prerope",
+                    heavy=64,
+                    pre_rope=True,
                 ),
                 # loops-abs-v2442 with every value loop rotated (2/4/4/2 bits).
                 Policy(

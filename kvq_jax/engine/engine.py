@@ -119,7 +119,8 @@ def layer_policies(policy: Policy, model) -> tuple[Policy, ...]:
     name = model.source.get("model") if isinstance(model.source, dict) else None
     tables.check_fit(policy.name, [name], num_layers)
     return tuple(
-        policy.for_key_format(register_table(tables.table(layer))) for layer in range(num_layers)
+        policy.for_key_format(register_table(tables.table(layer)), rope_theta=tables.rope_theta)
+        for layer in range(num_layers)
     )
 
 

@@ -1,12 +1,13 @@
 """Calibrate INTB key tables (FORMAT.md section 2b) from a capture, one per captured layer.
 
     python -m kvq_jax.report.calibrate CAPTURE.npz OUT.npz --models NAME[,NAME...]
-        [--mean-bits 4] [--group-size 64] [--mean-query] [--source TEXT]
+        [--mean-bits 4] [--group-size 64] [--mean-query] [--pre-rope THETA] [--source TEXT]
 
 CAPTURE: a `kvq report --kv` capture with queries (its meta lists the model layer of each
 captured layer in "layers"); loop 0 of every window is used. Calibrate on other text than the
 report evaluates on. `--mean-query` also stores each layer's heavy-row selection table (the
-mean query per query head, FORMAT.md 5a). OUT is read by
+mean query per query head, FORMAT.md 5a); `--pre-rope THETA` calibrates for keys stored
+before RoPE (THETA: the model's rope_theta). OUT is read by
 `kvq_jax.core.calibration.load_key_tables`; the shipped `kvq_jax/report/data/intb_smollm2.npz`
 and `intb_smollm2_heavy.npz` were made this way (see their `source`).
 """
@@ -28,7 +29,7 @@ from kvq_jax.report.capture import load_capture
 
 
 def calibrate(
-    capture, *, models, mean_bits=4.0, group_size=64, source="", mean_query=False
+    capture, *, models, mean_bits=4.0, group_size=64, source="", mean_query=False, rope_theta=None
 ) -> KeyTables:
     """KeyTables from a capture's loop 0 (keys and queries of every window)."""
     if capture.q is None:
@@ -40,8 +41,13 @@ def calibrate(
         )
     k = np.asarray(capture.k[:, 0], np.float32)  # [W, N, T, H, D]
     q = np.asarray(capture.q[:, 0], np.float32)
+    theta = None if rope_theta is None else float(rope_theta)
+    if theta is not None and not theta > 0:
+        raise ValueError(f"rope_theta must be positive, got {rope_theta!r}")
     tables = {
-        int(layer): intb_bit_table(k[:, n], q[:, n], mean_bits=mean_bits, group_size=group_size)
+        int(layer): intb_bit_table(
+            k[:, n], q[:, n], mean_bits=mean_bits, group_size=group_size, rope_theta=theta
+        )
         for n, layer in enumerate(layers)
     }
     queries = None
@@ -54,6 +60,7 @@ def calibrate(
         group_size=group_size,
         source=source,
         mean_query=queries,
+        rope_theta=theta,
     )
 
 
@@ -68,6 +75,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--mean-query", action="store_true", help="also store heavy-row mean-query tables"
     )
+    parser.add_argument(
+        "--pre-rope",
+        type=float,
+        default=None,
+        metavar="THETA",
+        help="tables for keys stored before RoPE with base THETA (the model's rope_theta)",
+    )
     args = parser.parse_args(argv)
     try:
         capture = load_capture(args.capture)
@@ -78,6 +92,7 @@ def main(argv=None) -> int:
             group_size=args.group_size,
             source=args.source,
             mean_query=args.mean_query,
+            rope_theta=args.pre_rope,
         )
     except (ValueError, TypeError, OSError) as e:
         print(f"calibrate: error: {e}", file=sys.stderr)

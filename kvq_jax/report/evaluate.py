@@ -43,6 +43,7 @@ import numpy as np
 from kvq_jax._numerics import subtract_in_dtype
 from kvq_jax.api import unpack_kv
 from kvq_jax.core.policies import Policy
+from kvq_jax.core.rope import rope_tables
 from kvq_jax.heavy import heavy_kv
 from kvq_jax.loops import decode_loops, encode_loops
 from kvq_jax.report.capture import Capture
@@ -155,6 +156,9 @@ def _heavy_stack_sums(k_stack, v_stack, policy: Policy):
     v_bytes, sums) with the sums of `_stack_sums` (payload: the packed rows of each loop)."""
     table = jnp.asarray(np.asarray(policy.heavy_table, np.float32), jnp.bfloat16)
     rows = k_stack.shape[1]
+    rope = None
+    if policy.rope_theta is not None:  # keys stored before RoPE (positions 0 .. T-1)
+        rope = tuple(map(jnp.asarray, rope_tables(rows, k_stack.shape[3], policy.rope_theta)))
     head, middle, _ = policy.window.split_sizes(rows) if policy.window else (0, rows, 0)
     mid = slice(head, head + middle)
     out = {"key": ([], [], 0), "value": ([], [], 0)}
@@ -167,6 +171,7 @@ def _heavy_stack_sums(k_stack, v_stack, policy: Policy):
             value_format=policy.formats("value")[0],
             group_size=policy.heavy,
             window=policy.window,
+            rope=rope,
         )
         for kind, x, x_hat, packed in (
             ("key", k_stack[loop], k_hat, k_packed),

@@ -60,5 +60,5 @@ def layer_policies(policy: Policy, meta: dict, shape) -> list[Policy]:
                 f"{(len(table), len(table[0]))} (heads, dim), the capture has ({heads}, {dim})"
             )
         heavy = tables.heavy_table(policy.name, layer) if policy.heavy is not None else None
-        out.append(policy.for_key_format(register_table(table), heavy))
+        out.append(policy.for_key_format(register_table(table), heavy, tables.rope_theta))
     return out

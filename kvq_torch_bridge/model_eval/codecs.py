@@ -66,6 +66,7 @@ class TorchLoopCoder:
             value_format=policy.formats("value")[0],
             group_size=policy.heavy,
             window=policy.window,
+            rope=_rope(policy, k, lambda a: torch.from_numpy(a).to(k.device)),
         )
         return k_hat, v_hat
 
@@ -131,10 +132,13 @@ class JaxLoopCoder:
 
     def heavy(self, k: torch.Tensor, v: torch.Tensor, policy: Policy, table):
         """`TorchLoopCoder.heavy` through kvq_jax (`kvq_jax.heavy.heavy_kv`, jitted)."""
+        import jax.numpy as jnp
+
         k_hat, v_hat = _jax_heavy(
             self._to_jax(k),
             self._to_jax(v),
             self._to_jax(table),
+            _rope(policy, k, jnp.asarray),
             key_format=policy.base_format,
             value_format=policy.formats("value")[0],
             group_size=policy.heavy,
@@ -149,7 +153,7 @@ def _jax_heavy_fn():
 
     from kvq_jax.heavy import heavy_kv
 
-    def fn(k, v, table, *, key_format, value_format, group_size, window):
+    def fn(k, v, table, rope, *, key_format, value_format, group_size, window):
         k_hat, v_hat, _, _ = heavy_kv(
             k,
             v,
@@ -158,14 +162,24 @@ def _jax_heavy_fn():
             value_format=value_format,
             group_size=group_size,
             window=window,
+            rope=rope,
         )
         return k_hat, v_hat
 
     return jax.jit(fn, static_argnames=("key_format", "value_format", "group_size", "window"))
 
 
-def _jax_heavy(k, v, table, **static):
-    return _jax_heavy_fn()(k, v, table, **static)
+def _jax_heavy(k, v, table, rope, **static):
+    return _jax_heavy_fn()(k, v, table, rope, **static)
+
+
+def _rope(policy: Policy, k: torch.Tensor, convert):
+    """(cos, sin) of positions 0 .. T-1 for a pre-RoPE policy's keys [T, H, D], else None."""
+    if policy.rope_theta is None:
+        return None
+    from kvq_jax.core.rope import rope_tables
+
+    return tuple(convert(a) for a in rope_tables(k.shape[0], k.shape[2], policy.rope_theta))
 
 
 def get_loop_coder(name: str):

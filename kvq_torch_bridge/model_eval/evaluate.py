@@ -54,7 +54,23 @@ def check_key_tables(policy: Policy, loaded: LoadedModel):
     tables = get_key_tables(policy.key_tables)
     model = loaded.source.get("model") if isinstance(loaded.source, dict) else None
     tables.check_fit(policy.name, [loaded.name, model], int(loaded.model.config.num_hidden_layers))
+    if tables.rope_theta is not None:
+        theta = _rope_theta(loaded.model.config)
+        if theta != tables.rope_theta:
+            raise ValueError(
+                f"policy {policy.name!r}: its pre-RoPE key tables are for RoPE base "
+                f"{tables.rope_theta}, the model's is {theta}"
+            )
     return tables
+
+
+def _rope_theta(config):
+    """The model's RoPE base (`rope_theta`, or transformers 5's `rope_parameters`)."""
+    theta = getattr(config, "rope_theta", None)
+    params = getattr(config, "rope_parameters", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return None if theta is None else float(theta)
 
 
 def layer_policies(policy: Policy, loaded: LoadedModel, coder) -> dict[int, Policy] | None:
@@ -67,6 +83,7 @@ def layer_policies(policy: Policy, loaded: LoadedModel, coder) -> dict[int, Poli
         layer: policy.for_key_format(
             coder.register_intb(table),
             tables.heavy_table(policy.name, layer) if policy.heavy is not None else None,
+            tables.rope_theta,
         )
         for layer, table in tables.tables.items()
     }

@@ -1,0 +1,34 @@
+"""Rotary position embedding tables (rotate-half convention, as Llama, SmolLM2 and Gemma use),
+framework-neutral: a policy that stores keys before RoPE inverts it on the way in and
+re-applies it after decoding (`kvq_jax.rope`, `kvq_torch_bridge.rope`).
+
+cos/sin are computed in float64 and rounded once to float32, so both stacks rotate with the
+same numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rope_tables(num_tokens: int, dim: int, theta: float, offset: int = 0):
+    """(cos, sin) float32 [T, 1, D] of positions offset .. offset + T - 1: channel c and
+    c + D/2 share the angle position * theta^(-2c/D)."""
+    if dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got D={dim}")
+    if not theta > 0:
+        raise ValueError(f"theta must be positive, got {theta!r}")
+    inv = float(theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    angle = np.arange(offset, offset + num_tokens, dtype=np.float64)[:, None] * inv[None]
+    angle = np.concatenate([angle, angle], axis=1)[:, None, :]
+    return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+
+
+def rope_aware_weights(dim: int, theta: float, num_tokens: int, recent: int = 16) -> np.ndarray:
+    """float64 [D]: a_c = mean over query-key distances d in [recent, T) of cos^2(d * w_c), the
+    share of channel c's own query energy that reaches a pre-RoPE key channel c (the rest
+    comes from its rotation partner c +- D/2)."""
+    inv = float(theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    d = np.arange(min(recent, num_tokens - 1), num_tokens, dtype=np.float64)
+    a = (np.cos(inv[:, None] * d[None]) ** 2).mean(axis=1)
+    return np.concatenate([a, a])
