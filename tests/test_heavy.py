@@ -496,6 +496,26 @@ def test_rope_tables_and_both_stacks():
         rope_tables(4, 7, 10000.0)
 
 
+def test_rope_on_both_stacks_equals_the_oracle():
+    from kvq_jax.rope import apply_rope, invert_rope
+    from kvq_torch_bridge import rope as trope
+
+    rng = np.random.default_rng(12)
+    for dtype in DTYPES:
+        x = (rng.standard_normal((21, 2, 16)) * 3).astype(dtype)
+        x[3, 0] = 0.0
+        x[4, 1, :4] = np.float32(6e4).astype(dtype)
+        cos, sin = rope_tables(21, 16, 10000.0, offset=5)
+        for name, fn, tfn in (
+            ("apply_rope", apply_rope, trope.apply_rope),
+            ("invert_rope", invert_rope, trope.invert_rope),
+        ):
+            want = getattr(oracle, name)(x, 10000.0, offset=5)
+            assert_same_bytes(np.asarray(jax.jit(fn)(x, cos, sin)), want, f"jax {name}")
+            got = tfn(numpy_to_torch(x), *map(torch.from_numpy, (cos, sin)))
+            assert_same_bytes(to_numpy(got), want, f"torch {name}")
+
+
 def test_pre_rope_tables_weight_keys_before_rope():
     """intb_bit_table(rope_theta=...) allocates on the rotated-back keys, with channel c's
     query energy mixed with its partner's by the share of aligned distances (a numpy

@@ -777,6 +777,7 @@ FORMAT_ORACLE_FILES = {
     "fp8_e4m3.py",
     "hadamard.py",
     "heavy.py",
+    "rope.py",
 }
 
 

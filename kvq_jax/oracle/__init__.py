@@ -55,6 +55,7 @@ from kvq_jax.oracle import (
     intb,
     layout,
     nvfp4,
+    rope,
     scalar,
 )
 
@@ -67,9 +68,11 @@ __all__ = [
     "TABLE_FORMATS",
     "OracleHeavy",
     "OraclePacked",
+    "apply_rope",
     "array_spec",
     "e2m1",
     "e4m3",
+    "invert_rope",
     "layout",
     "mismatches",
     "pack",
@@ -509,3 +512,24 @@ def unpack_heavy(enc: OracleHeavy, dtype=None) -> np.ndarray:
                 src = (p * h + head) * d
                 out[dst : dst + d] = rest[src : src + d]
     return _from_bits(out, out_dtype, (t, h, d))
+
+
+# --------------------------------------------------------------------------- keys before RoPE
+
+
+def _rope(values: np.ndarray, theta: float, offset: int, sign: float) -> np.ndarray:
+    shape = _check_values(values)
+    if shape[2] % 2:
+        raise ValueError(f"values: RoPE needs an even head dim, got D={shape[2]}")
+    xs = rope.rotate(widen(values), shape, theta, sign, offset)
+    return _from_bits([scalar.f32_to_bits(x) for x in xs], _F32, shape)
+
+
+def apply_rope(values: np.ndarray, theta: float, *, offset: int = 0) -> np.ndarray:
+    """FORMAT.md 5b: float32 [T, H, D] RoPE of positions offset .. offset + T - 1."""
+    return _rope(values, theta, offset, 1.0)
+
+
+def invert_rope(values: np.ndarray, theta: float, *, offset: int = 0) -> np.ndarray:
+    """FORMAT.md 5b: the inverse rotation (what a pre-RoPE policy packs), float32."""
+    return _rope(values, theta, offset, -1.0)
