@@ -276,23 +276,20 @@ def test_conformance_vectors_cover_hint_and_catch_a_wrong_code():
     assert {c.axis for c in cases} == {"tokens", "channels"}
     assert {c.values.shape[2] for c in cases} >= {1, 2, 8, 16, 32, 128}
     assert any(np.isnan(c.values.astype(np.float32)).any() for c in cases)
-    for stack, pack, unpack, kind in (
-        ("jax", kq.pack_kv, kq.unpack_kv, "jax"),
-        ("torch", kt.pack_kv, kt.unpack_kv, "torch"),
-    ):
-        results = check_pack(pack, unpack_fn=unpack, input_kind=kind, cases=cases)
-        assert all(r.passed for r in results), (stack, [r.detail for r in results if not r.passed])
+    # JAX runs every vector in test_conformance; Torch (eager, no compilation) runs them here.
+    results = check_pack(kt.pack_kv, unpack_fn=kt.unpack_kv, input_kind="torch", cases=cases)
+    assert all(r.passed for r in results), [r.detail for r in results if not r.passed]
 
     def unrotated(values, **kwargs):  # the base format without the rotation
         fmt = kwargs.pop("format")
         packed = kq.pack_kv(values, format=BASE[fmt], **kwargs)
         return dataclasses.replace(packed, format=fmt)
 
-    failed = {r.name for r in check_pack(unrotated, cases=cases) if not r.passed}
-    nontrivial = {
-        c.name for c in cases if c.values.size and c.values.shape[2] > 1 and np.any(c.values)
-    }
-    assert nontrivial <= failed
+    # (a sample: one JAX compilation per shape)
+    nontrivial = [c for c in cases if c.values.size and c.values.shape[2] > 1 and np.any(c.values)]
+    sample = nontrivial[::5]
+    failed = {r.name for r in check_pack(unrotated, cases=sample) if not r.passed}
+    assert len(sample) >= 10 and failed == {c.name for c in sample}
 
 
 def test_registries_and_layout():

@@ -131,14 +131,15 @@ CASES = [
 ]
 
 
-def _check(values, keys, table, t_g, kind, fmt, base, rows=None):
+def _check(values, keys, table, t_g, kind, fmt, base, rows=None, eager=True):
     g = t_g
     want_rows = oracle.select_heavy(keys, table, group_size=g) if rows is None else rows
     enc = oracle.pack_heavy(
         values, want_rows, format=fmt, kind=kind, group_size=g, base_group_size=base
     )
+    modes = (False, True) if eager else (False,)  # eager (op by op) is slow: one dtype
     if rows is None:
-        for eager in (False, True):
+        for eager in modes:
             if eager:
                 with jax.disable_jit():
                     got = kq.select_heavy(keys, table, group_size=g)
@@ -148,7 +149,7 @@ def _check(values, keys, table, t_g, kind, fmt, base, rows=None):
         got = kt.select_heavy(numpy_to_torch(keys), numpy_to_torch(table), group_size=g)
         assert_same_bytes(to_numpy(got), want_rows, "torch rows")
     args = dict(kind=kind, format=fmt, group_size=g, base_group_size=base)
-    for eager in (False, True):
+    for eager in modes:
         if eager:
             with jax.disable_jit():
                 packed = kq.pack_heavy(values, want_rows, **args)
@@ -178,7 +179,9 @@ def test_jax_and_torch_equal_the_oracle(t, g, kind, fmt, base, dtype):
     rng = np.random.default_rng(t + g)
     d = 16
     keys, values = _kv(rng, (t, 2, d), dtype), _kv(rng, (t, 2, d), dtype)
-    _, packed, tp = _check(values, keys, _table(rng, 2, 3, d), g, kind, fmt, base)
+    _, packed, tp = _check(
+        values, keys, _table(rng, 2, 3, d), g, kind, fmt, base, eager=dtype == F32
+    )
     n = -(-t // g)
     assert packed.storage_bytes == tp.storage_bytes
     assert packed.storage_bytes == packed.payload.storage_bytes + n * 2 * (d + 5)
