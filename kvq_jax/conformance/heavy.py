@@ -28,6 +28,7 @@ from kvq_jax.conformance.runner import (
     CaseResult,
     _convert_input,
     _first_difference,
+    check_outputs,
     to_numpy,
 )
 from kvq_jax.conformance.vectors import _array, _spec
@@ -223,17 +224,9 @@ def check_heavy_case(case: HeavyCase, select_fn, pack_fn, unpack_fn=None, input_
             return CaseResult(case.name, case.format, False, f"rows (selection): {diff}")
         rows_in = _convert_rows(case.rows, input_kind)
         packed = pack_fn(_convert_input(case.values, input_kind), rows_in, **case.pack_args)
-        for name, expected in case.arrays.items():
-            got = _field(packed, name)
-            if got is None:
-                return CaseResult(case.name, case.format, False, f"no field {name!r}")
-            diff = _first_difference(to_numpy(got), expected, nan_ok=False)
-            if diff:
-                return CaseResult(case.name, case.format, False, f"{name}: {diff}")
-        if unpack_fn is not None:
-            diff = _first_difference(to_numpy(unpack_fn(packed)), case.decoded, nan_ok=True)
-            if diff:
-                return CaseResult(case.name, case.format, False, f"decoded: {diff}")
+        failure = check_outputs(case, packed, _field, unpack_fn)
+        if failure is not None:
+            return failure
     except Exception as e:  # an implementation's failure is a result
         last = traceback.format_exception_only(type(e), e)[-1].strip()
         return CaseResult(case.name, case.format, False, f"raised {last}")

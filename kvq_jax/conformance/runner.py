@@ -90,6 +90,27 @@ def _first_difference(actual: np.ndarray, expected: np.ndarray, nan_ok: bool) ->
     return f"{int((~same).sum())} elements differ, first at {idx}: got {a[i]!r}, expected {e[i]!r}"
 
 
+def _field(packed, name: str):
+    return packed[name] if isinstance(packed, dict) else getattr(packed, name, None)
+
+
+def check_outputs(case, packed, field, unpack_fn=None) -> CaseResult | None:
+    """The first mismatch of `packed` against a case's arrays (read with `field(packed,
+    name)`) and, with `unpack_fn`, its decoded values; None when everything matches."""
+    for name, expected in case.arrays.items():
+        got = field(packed, name)
+        if got is None:
+            return CaseResult(case.name, case.format, False, f"no field {name!r}")
+        diff = _first_difference(to_numpy(got), expected, nan_ok=False)
+        if diff:
+            return CaseResult(case.name, case.format, False, f"{name}: {diff}")
+    if unpack_fn is not None:
+        diff = _first_difference(to_numpy(unpack_fn(packed)), case.decoded, nan_ok=True)
+        if diff:
+            return CaseResult(case.name, case.format, False, f"decoded: {diff}")
+    return None
+
+
 def check_case(
     case: Case, pack_fn, unpack_fn=None, input_kind: str = "numpy", register_table=None
 ) -> CaseResult:
@@ -99,17 +120,9 @@ def check_case(
         if case.bits is not None:
             register_table(case.bits)
         packed = pack_fn(_convert_input(case.values, input_kind), **case.pack_args)
-        for field, expected in case.arrays.items():
-            got = packed[field] if isinstance(packed, dict) else getattr(packed, field, None)
-            if got is None:
-                return CaseResult(case.name, case.format, False, f"no field {field!r}")
-            diff = _first_difference(to_numpy(got), expected, nan_ok=False)
-            if diff:
-                return CaseResult(case.name, case.format, False, f"{field}: {diff}")
-        if unpack_fn is not None:
-            diff = _first_difference(to_numpy(unpack_fn(packed)), case.decoded, nan_ok=True)
-            if diff:
-                return CaseResult(case.name, case.format, False, f"decoded: {diff}")
+        failure = check_outputs(case, packed, _field, unpack_fn)
+        if failure is not None:
+            return failure
     except Exception as e:  # an implementation's failure is a result
         last = traceback.format_exception_only(type(e), e)[-1].strip()
         return CaseResult(case.name, case.format, False, f"raised {last}")
