@@ -6,7 +6,7 @@ throughput of swapping a sequence out to host memory / disk and back.
 Decode step (per pool size P, per cache format): B = 8 sequences of `--context` tokens
 (H = 8 KV heads, D = 128, page 16, bf16, one loop) whose pages sit at random places of a
 P-page pool. Timed, median of N runs, each blocked until ready:
-  append     one token per sequence (`kvq_jax.paged_cache.append`, donated: the cache is
+  append     one token per sequence (`kvq_jax.cache.paged_cache.append`, donated: the cache is
              updated in place, each run appends to the previous run's result);
   attention  `paged_decode_attention` over the context (the XLA path on a CPU).
 "bf16" is the unquantized baseline in the same process: a bf16 page pool updated in place by a
@@ -39,10 +39,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import _timing
 
+from kvq_jax.cache.paged_attention import dense_decode_attention, paged_decode_attention
+from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache, swap_in, swap_out
 from kvq_jax.core.allocator import PageAllocator
 from kvq_jax.core.offload import load_sequence, save_sequence
-from kvq_jax.paged_attention import dense_decode_attention, paged_decode_attention
-from kvq_jax.paged_cache import PagedCacheConfig, append, init_cache, swap_in, swap_out
 
 HEADS, HEAD_DIM, PAGE, BATCH = 8, 128, 16, 8
 FORMATS = {"int4": ("int4", "int4"), "nvfp4": ("nvfp4", "nvfp4")}

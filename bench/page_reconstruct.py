@@ -40,8 +40,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _timing
 
 from kvq_jax.core.registry import layout
+from kvq_jax.kernel_checks.arg_specs import page_reconstruct as arg_specs
 from kvq_jax.kernels import backend as kernel_backend
-from kvq_jax.kernels.page_reconstruct import arg_specs, config_support, decode_pages
+from kvq_jax.kernels.page_reconstruct import config_support, decode_pages
 
 COLUMNS = (
     ("format", "format", None),

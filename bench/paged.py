@@ -48,8 +48,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _timing
 
 import kvq_jax
-from kvq_jax.paged_attention import dense_decode_attention, paged_decode_attention
-from kvq_jax.paged_cache import PagedCacheConfig, append, check_append, init_cache
+from kvq_jax.cache.paged_attention import dense_decode_attention, paged_decode_attention
+from kvq_jax.cache.paged_cache import PagedCacheConfig, append, check_append, init_cache
 
 HEADS, HEAD_DIM, Q_HEADS, PAGE = 16, 128, 16, 16
 FORMATS = {

@@ -49,8 +49,9 @@ import _timing
 from paged import _bf16_paged_attention
 
 import kvq_jax
+from kvq_jax.kernel_checks.arg_specs import paged_attention as arg_specs
 from kvq_jax.kernels import backend as kernel_backend
-from kvq_jax.kernels.paged_attention import api, arg_specs, pallas_triton
+from kvq_jax.kernels.paged_attention import api, pallas_triton
 
 COLUMNS = (
     ("kind", "kv", None),

@@ -47,9 +47,9 @@ import _timing
 
 import kvq_jax
 import kvq_torch_bridge as kt
-from kvq_jax.packed import META_FIELDS
-from kvq_torch_bridge._dtypes import numpy_dtype
-from kvq_torch_bridge.bridge import CPU_ALIGNMENT
+from kvq_jax.codecs.packed import META_FIELDS
+from kvq_torch_bridge.bridge.dlpack import CPU_ALIGNMENT
+from kvq_torch_bridge.codecs._dtypes import numpy_dtype
 
 SHAPES = ((2048, 16, 128), (32768, 8, 128))
 KINDS = ("key", "value")

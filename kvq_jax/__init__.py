@@ -5,7 +5,7 @@
 
 Loop stacks: `encode_loops` / `decode_loops` / `decode_loop`; single residuals:
 `encode_residual` / `decode_residual`; serving pages: `pack_paged` / `unpack_paged`, the
-append-time cache `kvq_jax.paged_cache` (init_cache / append / gather) and
+append-time cache `kvq_jax.cache.paged_cache` (init_cache / append / gather) and
 `paged_decode_attention`.
 `kvq_jax.oracle` is the plain-Python scalar reference that every implementation is tested
 against (it does not use JAX), and `kvq_jax.conformance` ships its vectors.
@@ -21,37 +21,44 @@ import importlib
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
-    "CODECS": "kvq_jax.registry",
-    "get_codec": "kvq_jax.registry",
-    "register_codec": "kvq_jax.registry",
-    "unregister_codec": "kvq_jax.registry",
-    "Codec": "kvq_jax.codec",
-    "IntBCodec": "kvq_jax.formats.intb",
-    "PackedKV": "kvq_jax.packed",
-    "WindowedKV": "kvq_jax.packed",
-    "pack_kv": "kvq_jax.api",
-    "unpack_kv": "kvq_jax.api",
-    "HeavyKV": "kvq_jax.heavy",
-    "pack_heavy": "kvq_jax.heavy",
-    "select_heavy": "kvq_jax.heavy",
-    "unpack_heavy": "kvq_jax.heavy",
-    "KVResidual": "kvq_jax.residual",
-    "decode_residual": "kvq_jax.residual",
-    "encode_residual": "kvq_jax.residual",
-    "validate_positions": "kvq_jax.residual",
-    "LoopCode": "kvq_jax.loops",
-    "decode_loop": "kvq_jax.loops",
-    "decode_loops": "kvq_jax.loops",
-    "encode_loops": "kvq_jax.loops",
-    "pack_paged": "kvq_jax.paged",
-    "unpack_paged": "kvq_jax.paged",
+    "CODECS": "kvq_jax.codecs.registry",
+    "get_codec": "kvq_jax.codecs.registry",
+    "register_codec": "kvq_jax.codecs.registry",
+    "unregister_codec": "kvq_jax.codecs.registry",
+    "Codec": "kvq_jax.codecs.codec",
+    "IntBCodec": "kvq_jax.codecs.formats.intb",
+    "PackedKV": "kvq_jax.codecs.packed",
+    "WindowedKV": "kvq_jax.codecs.packed",
+    "pack_kv": "kvq_jax.codecs.api",
+    "unpack_kv": "kvq_jax.codecs.api",
+    "HeavyKV": "kvq_jax.codecs.heavy",
+    "pack_heavy": "kvq_jax.codecs.heavy",
+    "select_heavy": "kvq_jax.codecs.heavy",
+    "unpack_heavy": "kvq_jax.codecs.heavy",
+    "KVResidual": "kvq_jax.codecs.residual",
+    "decode_residual": "kvq_jax.codecs.residual",
+    "encode_residual": "kvq_jax.codecs.residual",
+    "validate_positions": "kvq_jax.codecs.residual",
+    "LoopCode": "kvq_jax.codecs.loops",
+    "decode_loop": "kvq_jax.codecs.loops",
+    "decode_loops": "kvq_jax.codecs.loops",
+    "encode_loops": "kvq_jax.codecs.loops",
+    "pack_paged": "kvq_jax.cache.paged",
+    "unpack_paged": "kvq_jax.cache.paged",
     "PagedCacheConfig": "kvq_jax.core.cache_config",
-    "PagedKVCache": "kvq_jax.cache_state",
-    "dense_decode_attention": "kvq_jax.attention",
-    "paged_decode_attention": "kvq_jax.paged_attention",
+    "PagedKVCache": "kvq_jax.codecs.cache_state",
+    "dense_decode_attention": "kvq_jax.codecs.attention",
+    "paged_decode_attention": "kvq_jax.cache.paged_attention",
     "Window": "kvq_jax.core.window",
     "DEFAULT_AXIS": "kvq_jax.core.constants",
     "KINDS": "kvq_jax.core.constants",
+}
+
+#: Modules users reach as attributes (`from kvq_jax import paged_cache`) -> where they live.
+_MODULES = {
+    "paged": "kvq_jax.cache.paged",
+    "paged_cache": "kvq_jax.cache.paged_cache",
+    "paged_attention": "kvq_jax.cache.paged_attention",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -59,13 +66,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
         raise AttributeError(f"module 'kvq_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted([*globals(), *_EXPORTS, *_MODULES])

@@ -20,17 +20,18 @@ import importlib
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.constants import DEFAULT_AXIS, KINDS
 from kvq_jax.core.window import Window
-from kvq_torch_bridge.api import pack_kv, unpack_kv
-from kvq_torch_bridge.codec import Codec
-from kvq_torch_bridge.formats.intb import IntBCodec
-from kvq_torch_bridge.heavy import HeavyKV, pack_heavy, select_heavy, unpack_heavy
-from kvq_torch_bridge.loops import LoopCode, decode_loop, decode_loops, encode_loops
-from kvq_torch_bridge.packed import KVResidual, PackedKV, WindowedKV
-from kvq_torch_bridge.paged import pack_paged, unpack_paged
-from kvq_torch_bridge.paged_attention import dense_decode_attention, paged_decode_attention
-from kvq_torch_bridge.paged_cache import PagedKVCache
-from kvq_torch_bridge.registry import CODECS, get_codec, register_codec, unregister_codec
-from kvq_torch_bridge.residual import decode_residual, encode_residual, validate_positions
+from kvq_torch_bridge.cache import paged, paged_attention, paged_cache
+from kvq_torch_bridge.cache.paged import pack_paged, unpack_paged
+from kvq_torch_bridge.cache.paged_attention import dense_decode_attention, paged_decode_attention
+from kvq_torch_bridge.cache.paged_cache import PagedKVCache
+from kvq_torch_bridge.codecs.api import pack_kv, unpack_kv
+from kvq_torch_bridge.codecs.codec import Codec
+from kvq_torch_bridge.codecs.formats.intb import IntBCodec
+from kvq_torch_bridge.codecs.heavy import HeavyKV, pack_heavy, select_heavy, unpack_heavy
+from kvq_torch_bridge.codecs.loops import LoopCode, decode_loop, decode_loops, encode_loops
+from kvq_torch_bridge.codecs.packed import KVResidual, PackedKV, WindowedKV
+from kvq_torch_bridge.codecs.registry import CODECS, get_codec, register_codec, unregister_codec
+from kvq_torch_bridge.codecs.residual import decode_residual, encode_residual, validate_positions
 
 #: vLLM `kv_cache_dtype` string -> kvq format name: the one place the names are mapped.
 KV_CACHE_DTYPES = {"int4": "int4", "nvfp4": "nvfp4", "fp8_e4m3": "fp8_e4m3"}
@@ -87,6 +88,9 @@ __all__ = [
     "pack_heavy",
     "pack_kv",
     "pack_paged",
+    "paged",
+    "paged_attention",
+    "paged_cache",
     "paged_decode_attention",
     "register_codec",
     "select_heavy",

@@ -70,13 +70,13 @@ def assert_trees_same_bytes(a, b, what: str = "tree") -> None:
 
 def torch_to_numpy(tensor) -> np.ndarray:
     """A torch tensor (any device, any layout) -> numpy array of the same dtype and bytes."""
-    from kvq_torch_bridge._dtypes import to_numpy
+    from kvq_torch_bridge.codecs._dtypes import to_numpy
 
     return to_numpy(tensor)
 
 
 def numpy_to_torch(array, device="cpu"):
     """A numpy array (ml_dtypes bfloat16 / float8 included) -> torch tensor with its bytes."""
-    from kvq_torch_bridge._dtypes import from_numpy
+    from kvq_torch_bridge.codecs._dtypes import from_numpy
 
     return from_numpy(np.asarray(array), device)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from kvq_jax.api import unpack_kv
-from kvq_jax.cache_state import codec_view, planes
-from kvq_jax.residual import KVResidual, decode_residual
+from kvq_jax.codecs.api import unpack_kv
+from kvq_jax.codecs.cache_state import codec_view, planes
+from kvq_jax.codecs.residual import KVResidual, decode_residual
 
 
 def reference_pages(cache, kind: str, loop: int, pages) -> np.ndarray:

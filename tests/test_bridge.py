@@ -190,7 +190,7 @@ def test_vllm_kv_cache_dtype_names():
 
 
 def test_torch_codec_passes_the_shared_vectors():
-    from kvq_torch_bridge.formats.intb import register_table
+    from kvq_torch_bridge.codecs.formats.intb import register_table
 
     results = check_pack(
         kt.pack_kv,

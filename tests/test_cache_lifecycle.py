@@ -19,14 +19,14 @@ import pytest
 import torch
 from helpers import assert_same_bytes, numpy_to_torch, torch_to_numpy
 
-from kvq_jax import paged_cache as jpc
-from kvq_jax.api import pack_kv, unpack_kv
-from kvq_jax.cache_state import codec_view
+from kvq_jax.cache import paged_cache as jpc
+from kvq_jax.codecs.api import pack_kv, unpack_kv
+from kvq_jax.codecs.cache_state import codec_view
+from kvq_jax.codecs.residual import decode_residual, encode_residual
 from kvq_jax.core.allocator import PageAllocator
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.offload import HostSequence, load_sequence, save_sequence
-from kvq_jax.residual import decode_residual, encode_residual
-from kvq_torch_bridge import paged_cache as tpc
+from kvq_torch_bridge.cache import paged_cache as tpc
 
 H, D = 2, 16
 MAX_PAGES = 5

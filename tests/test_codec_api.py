@@ -31,8 +31,8 @@ from kvq_jax import (
     unpack_kv,
     unregister_codec,
 )
-from kvq_jax._numerics import e2m1_magnitude_code
-from kvq_jax.packed import ARRAY_FIELDS
+from kvq_jax.codecs._numerics import e2m1_magnitude_code
+from kvq_jax.codecs.packed import ARRAY_FIELDS
 
 BUILTIN_FORMATS = ("int4", "nvfp4", "fp8_e4m3")
 KINDS = ("key", "value")
@@ -112,7 +112,7 @@ def _unpack_nibbles(codes, d):
 
 
 def _expand(meta, axis, g, shape):
-    """Per-group metadata -> per-element [T, H, D] (independent of kvq_jax._grouping)."""
+    """Per-group metadata -> per-element [T, H, D] (independent of kvq_jax.codecs._grouping)."""
     t, _, d = shape
     if axis == "tokens":
         return np.repeat(meta, g, axis=0)[:t]

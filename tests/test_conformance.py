@@ -8,12 +8,12 @@ import pytest
 from helpers import assert_same_bytes
 
 import kvq_jax
-from kvq_jax import cli
+from kvq_jax.cli import commands as cli
+from kvq_jax.codecs.formats.intb import register_table
 from kvq_jax.conformance import check_pack, load_vectors
 from kvq_jax.conformance.generate import generate
 from kvq_jax.core.constants import FORMATS, ROTATED_FORMATS
 from kvq_jax.core.layouts import intb_name
-from kvq_jax.formats.intb import register_table
 
 CASES = load_vectors()
 
@@ -113,7 +113,7 @@ def test_cli_reports_pass_and_fail(capsys):
     assert cli.main(["conformance", "--unpack", "kvq_jax:unpack_kv"]) == 0
     out = capsys.readouterr().out
     assert f"{len(CASES) - table_cases} passed, 0 failed, {table_cases} skipped" in out
-    register = ["--register-table", "kvq_jax.formats.intb:register_table"]
+    register = ["--register-table", "kvq_jax.codecs.formats.intb:register_table"]
     assert cli.main(["conformance", "--unpack", "kvq_jax:unpack_kv", *register]) == 0
     out = capsys.readouterr().out
     assert f"{len(CASES)} passed, 0 failed\n" in out

@@ -1,4 +1,4 @@
-"""Both exact-division paths of `kvq_jax._numerics.divide`, whatever platform runs the tests.
+"""Both exact-division paths of `kvq_jax.codecs._numerics.divide`, whatever platform runs the tests.
 
 On XLA:CPU `divide` divides in float64 and rounds to float32 (`divide_f64`, it fuses); on
 every other platform it divides float32 behind an optimization barrier (`divide_barrier`).
@@ -19,8 +19,9 @@ import pytest
 from codec_cases import AXIS_OF, BF16, EDGE_CASES, F32, FORMATS, G4, KINDS, SHAPE, mixed_values
 from helpers import assert_packed_equal, assert_same_values
 
-from kvq_jax import _numerics, oracle
-from kvq_jax.registry import get_codec
+from kvq_jax import oracle
+from kvq_jax.codecs import _numerics
+from kvq_jax.codecs.registry import get_codec
 
 PATHS = ("f64", "barrier")
 

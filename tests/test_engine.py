@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvq_jax import paged_cache
-from kvq_jax.cache_state import codec_view
+from kvq_jax.cache import paged_cache
+from kvq_jax.codecs.cache_state import codec_view
 from kvq_jax.engine import Engine
 from kvq_jax.kernels.page_pack.api import pack_paged
 from kvq_jax.models import Model, ModelConfig, llama, ouro
@@ -209,9 +209,9 @@ def test_per_layer_key_tables_give_each_layer_its_intb_pages(tiny_llama, monkeyp
     """A policy with per-layer INTB key tables: each layer's cache holds its own format, and
     its pages are the paged cache's own appends of the model's K/V under that layer's config;
     tables for another model, or missing a layer, are refused when the engine is built."""
+    from kvq_jax.codecs.formats.intb import register_table
     from kvq_jax.core import calibration
     from kvq_jax.core.policies import Policy
-    from kvq_jax.formats.intb import register_table
 
     tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((8, 1, 3) * 20 + (4, 4, 4, 4), (3, 5) * 32)}
     key_tables = calibration.KeyTables(("tiny",), tables, 16, "test")
@@ -340,7 +340,7 @@ def ouro_dir(tmp_path_factory):
 
 
 def test_kvq_generate(ouro_dir, tmp_path, capsys):
-    from kvq_jax.cli import main
+    from kvq_jax.cli.commands import main
 
     out = tmp_path / "gen.json"
     prompt = ",".join(str(5 + i % 40) for i in range(20))  # a page quantized
@@ -373,7 +373,7 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
     ],
 )
 def test_kvq_generate_errors(ouro_dir, capsys, extra, message):
-    from kvq_jax.cli import main
+    from kvq_jax.cli.commands import main
 
     args = ["generate", "--model", str(ouro_dir), "--policy", "int4-g16", "--prompt-ids",
             "5,6,7", "--max-new-tokens", "3", "--page-size", "16", "--max-pages-per-seq",

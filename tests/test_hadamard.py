@@ -23,16 +23,16 @@ from helpers import assert_packed_equal, assert_same_bytes, assert_same_values, 
 
 import kvq_jax as kq
 from kvq_jax import oracle
+from kvq_jax.codecs.formats import hadamard as jhad
 from kvq_jax.conformance import check_pack, load_vectors
 from kvq_jax.core import registry
-from kvq_jax.formats import hadamard as jhad
 from kvq_jax.oracle import hadamard as ohad
 from kvq_jax.oracle import residual as ores
 
 torch = pytest.importorskip("torch")
 import kvq_torch_bridge as kt  # noqa: E402
-from kvq_torch_bridge import registry as treg  # noqa: E402
-from kvq_torch_bridge._dtypes import to_numpy  # noqa: E402
+from kvq_torch_bridge.codecs import registry as treg  # noqa: E402
+from kvq_torch_bridge.codecs._dtypes import to_numpy  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -263,7 +263,7 @@ def test_residual_chains_equal_the_oracle(kind, base, residual, g):
     want_base, want_res = ores.encode_loops(loops, **args)
     want = ores.decode_loops(want_base, want_res)
     assert_same_bytes(np.asarray(kq.decode_loops(kq.encode_loops(loops, **args))), want, "jax")
-    from kvq_torch_bridge import loops as tloops
+    from kvq_torch_bridge.codecs import loops as tloops
 
     code = tloops.encode_loops(numpy_to_torch(loops), **args)
     assert_same_bytes(to_numpy(tloops.decode_loops(code)), want, "torch")
@@ -332,8 +332,8 @@ def test_bad_arguments_name_the_argument(fmt, shape, kwargs, error, match):
 
 
 def test_kernels_decline_hint_with_a_reason():
+    from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
     from kvq_jax.kernels import page_pack, page_reconstruct, paged_attention
-    from kvq_jax.paged_cache import PagedCacheConfig, init_cache
 
     for fmt in FORMATS:
         reason = page_pack.config_support((4, 16, 2, 64), jnp.bfloat16, kind="value", format=fmt)

@@ -22,15 +22,15 @@ from helpers import assert_packed_equal, assert_same_bytes, assert_same_values, 
 
 import kvq_jax as kq
 from kvq_jax import oracle
+from kvq_jax.codecs.heavy import heavy_kv
 from kvq_jax.core import calibration
 from kvq_jax.core.policies import POLICIES, Policy
 from kvq_jax.core.rope import rope_tables
-from kvq_jax.heavy import heavy_kv
 
 torch = pytest.importorskip("torch")
 import kvq_torch_bridge as kt  # noqa: E402
-from kvq_torch_bridge._dtypes import to_numpy  # noqa: E402
-from kvq_torch_bridge.heavy import heavy_kv as torch_heavy_kv  # noqa: E402
+from kvq_torch_bridge.codecs._dtypes import to_numpy  # noqa: E402
+from kvq_torch_bridge.codecs.heavy import heavy_kv as torch_heavy_kv  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -377,7 +377,7 @@ def test_report_row_equals_explicit_heavy_calls(name):
     """A heavy policy's row on the embedded capture: K/V bytes and errors equal
     per-(window, loop, layer) heavy_kv calls with each layer's shipped tables (keys rotated
     back before packing for the pre-RoPE policy)."""
-    from kvq_jax.formats.intb import register_table
+    from kvq_jax.codecs.formats.intb import register_table
     from kvq_jax.report.capture import load_capture, select
     from kvq_jax.report.evaluate import evaluate
 
@@ -481,8 +481,8 @@ def test_engine_refuses_heavy_policies():
 def test_rope_tables_and_both_stacks():
     """cos/sin equal the float64 formula rounded once; JAX and Torch rotate to the same bits;
     the inverse undoes the rotation to float32 rounding."""
-    from kvq_jax.rope import apply_rope, invert_rope
-    from kvq_torch_bridge import rope as trope
+    from kvq_jax.codecs.rope import apply_rope, invert_rope
+    from kvq_torch_bridge.codecs import rope as trope
 
     cos, sin = rope_tables(50, 8, 10000.0, offset=3)
     angle = np.arange(3, 53)[:, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)
@@ -500,8 +500,8 @@ def test_rope_tables_and_both_stacks():
 
 
 def test_rope_on_both_stacks_equals_the_oracle():
-    from kvq_jax.rope import apply_rope, invert_rope
-    from kvq_torch_bridge import rope as trope
+    from kvq_jax.codecs.rope import apply_rope, invert_rope
+    from kvq_torch_bridge.codecs import rope as trope
 
     rng = np.random.default_rng(12)
     for dtype in DTYPES:
@@ -586,7 +586,7 @@ def test_heavy_vectors_are_the_oracles_and_pass_on_both_stacks():
 
 
 def test_kvq_conformance_runs_the_heavy_vectors(capsys):
-    from kvq_jax import cli
+    from kvq_jax.cli import commands as cli
 
     argv = ["conformance", "kvq_torch_bridge:pack_kv", "--input", "torch"]
     assert cli.main([*argv, "--heavy", "kvq_torch_bridge"]) == 0

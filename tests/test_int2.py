@@ -21,16 +21,16 @@ from helpers import assert_packed_equal, assert_same_bytes, assert_same_values, 
 
 import kvq_jax as kq
 from kvq_jax import oracle
+from kvq_jax.codecs.formats import int2 as jint2
 from kvq_jax.conformance import check_pack, load_vectors
 from kvq_jax.core import registry
 from kvq_jax.core.policies import POLICIES, Policy
-from kvq_jax.formats import int2 as jint2
 from kvq_jax.oracle import residual as ores
 
 torch = pytest.importorskip("torch")
 import kvq_torch_bridge as kt  # noqa: E402
-from kvq_torch_bridge import registry as treg  # noqa: E402
-from kvq_torch_bridge._dtypes import to_numpy  # noqa: E402
+from kvq_torch_bridge.codecs import registry as treg  # noqa: E402
+from kvq_torch_bridge.codecs._dtypes import to_numpy  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -410,8 +410,8 @@ def test_residual_format_errors_name_the_argument():
 
 
 def test_kernels_decline_int2_with_a_reason():
+    from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
     from kvq_jax.kernels import page_pack, page_reconstruct, paged_attention
-    from kvq_jax.paged_cache import PagedCacheConfig, init_cache
 
     reason = page_pack.config_support((4, 16, 2, 64), jnp.bfloat16, kind="key", format="int2")
     assert reason is not None and "int2" in reason

@@ -16,7 +16,9 @@ import pytest
 from helpers import assert_same_bytes
 
 import kvq_jax
-from kvq_jax import cli
+from kvq_jax.cache.paged_cache import append, gather, init_cache
+from kvq_jax.cli import commands as cli
+from kvq_jax.codecs.formats.intb import IntBCodec
 from kvq_jax.core import policies as policies_module
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.calibration import (
@@ -29,8 +31,6 @@ from kvq_jax.core.calibration import (
 from kvq_jax.core.layouts import intb_name
 from kvq_jax.core.policies import POLICIES, Policy
 from kvq_jax.engine.engine import cache_config_for
-from kvq_jax.formats.intb import IntBCodec
-from kvq_jax.paged_cache import append, gather, init_cache
 from kvq_jax.report import calibrate
 from kvq_jax.report import capture as cap
 from kvq_jax.report.evaluate import evaluate
@@ -369,9 +369,9 @@ def test_conformance_vectors_cover_intb_and_catch_a_wrong_code():
     import dataclasses
 
     import kvq_torch_bridge as kt
+    from kvq_jax.codecs.formats.intb import register_table as jax_register
     from kvq_jax.conformance import check_pack, load_vectors
-    from kvq_jax.formats.intb import register_table as jax_register
-    from kvq_torch_bridge.formats.intb import register_table as torch_register
+    from kvq_torch_bridge.codecs.formats.intb import register_table as torch_register
 
     cases = [c for c in load_vectors() if c.bits is not None]
     assert len(cases) >= 40 and {c.kind for c in cases} == {"key", "value"}

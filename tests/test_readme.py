@@ -47,9 +47,10 @@ def test_python_examples_run_and_their_comments_are_true(capsys):
 
 @pytest.mark.parametrize("argv", [["demo", "--repeats", "1"]])
 def test_demo_prints_every_format(argv, capsys):
-    from kvq_jax import CODECS, cli
-    from kvq_jax.demo import fits
-    from kvq_jax.formats.intb import register_table
+    from kvq_jax import CODECS
+    from kvq_jax.cli import commands as cli
+    from kvq_jax.cli.demo import fits
+    from kvq_jax.codecs.formats.intb import register_table
 
     # an INTB format registered for another model's shape is listed as not run, not an error
     other = register_table(((4,) * 8,) * 2)

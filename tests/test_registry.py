@@ -20,12 +20,12 @@ from helpers import assert_same_bytes, numpy_to_torch, torch_to_numpy
 
 import kvq_jax
 import kvq_torch_bridge as kvt
+from kvq_jax.cache.paged_cache import append, gather, init_cache
 from kvq_jax.core import registry
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.layouts import FormatLayout, check_kind
-from kvq_jax.paged_cache import append, gather, init_cache
-from kvq_torch_bridge import paged_attention as tpa
-from kvq_torch_bridge import paged_cache as tpc
+from kvq_torch_bridge.cache import paged_attention as tpa
+from kvq_torch_bridge.cache import paged_cache as tpc
 
 NAME = "pow2_int8"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvq_jax
-from kvq_jax import cli
+from kvq_jax.cli import commands as cli
 from kvq_jax.core.policies import POLICIES, parse_policies
 from kvq_jax.report import capture as cap
 from kvq_jax.report.evaluate import evaluate, policy_sums, stacks

@@ -151,8 +151,8 @@ PAGED_SCRIPT = (
     COMMON
     + r"""
 import dataclasses
-from kvq_jax.paged_attention import paged_decode_attention
-from kvq_jax.paged_cache import PagedCacheConfig, append, init_cache
+from kvq_jax.cache.paged_attention import paged_decode_attention
+from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache
 
 B, H, HQ, D, PS = 2, 8, 16, 64, 16
 rng = np.random.default_rng(1)

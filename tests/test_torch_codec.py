@@ -60,12 +60,12 @@ import kvq_jax as kq
 from kvq_jax import oracle
 from kvq_jax.core import constants
 from kvq_jax.oracle import residual as oracle_residual
-from kvq_torch_bridge import _numerics as tn
-from kvq_torch_bridge import api as tapi
-from kvq_torch_bridge import loops as tloops
-from kvq_torch_bridge import packed as tpacked
-from kvq_torch_bridge import registry as treg
-from kvq_torch_bridge import residual as tres
+from kvq_torch_bridge.codecs import _numerics as tn
+from kvq_torch_bridge.codecs import api as tapi
+from kvq_torch_bridge.codecs import loops as tloops
+from kvq_torch_bridge.codecs import packed as tpacked
+from kvq_torch_bridge.codecs import registry as treg
+from kvq_torch_bridge.codecs import residual as tres
 
 TORCH_OF = {BF16: torch.bfloat16, F16: torch.float16, F32: torch.float32}
 

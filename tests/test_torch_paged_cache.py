@@ -1,5 +1,5 @@
-"""The Torch paged cache (kvq_torch_bridge.paged_cache) and paged decode attention
-(kvq_torch_bridge.paged_attention) against kvq_jax's: the same cache bytes after the same
+"""The Torch paged cache (kvq_torch_bridge.cache.paged_cache) and paged decode attention
+(kvq_torch_bridge.cache.paged_attention) against kvq_jax's: the same cache bytes after the same
 appends (prefill and token-by-token decode, seq_id subsets, dropped writes), the same gather
 bits, and attention equal to JAX's to float32 round-off.
 
@@ -19,11 +19,11 @@ from helpers import assert_same_bytes, numpy_to_torch, torch_to_numpy
 from test_paged_cache import CONFIGS, D, H, L, S, T, filled, make_config, make_kv, make_tables
 
 import kvq_torch_bridge as ktb
-from kvq_jax import paged_attention as jpa
-from kvq_jax import paged_cache as jpc
+from kvq_jax.cache import paged_attention as jpa
+from kvq_jax.cache import paged_cache as jpc
 from kvq_jax.core.cache_config import PagedCacheConfig
-from kvq_torch_bridge import paged_attention as tpa
-from kvq_torch_bridge import paged_cache as tpc
+from kvq_torch_bridge.cache import paged_attention as tpa
+from kvq_torch_bridge.cache import paged_cache as tpc
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 FIELDS = ("k_base", "v_base", "k_delta", "v_delta", "k_stage", "v_stage", "k_sink", "v_sink")

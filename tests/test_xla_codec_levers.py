@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvq_jax import _numerics
-from kvq_jax.formats.nvfp4 import all_finite
+from kvq_jax.codecs import _numerics
+from kvq_jax.codecs.formats.nvfp4 import all_finite
 
 
 def test_e2m1_table_equals_arithmetic_decode():

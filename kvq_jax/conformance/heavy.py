@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import traceback
 
 import ml_dtypes
 import numpy as np
 
+from kvq_jax import data
 from kvq_jax.conformance.runner import (
     CaseResult,
     _convert_input,
@@ -34,7 +34,7 @@ from kvq_jax.conformance.runner import (
 from kvq_jax.conformance.vectors import _array, _spec
 
 VERSION = "kvq-heavy-v1"
-HEAVY_VECTORS_PATH = pathlib.Path(__file__).with_name("heavy_v1.npz")
+HEAVY_VECTORS_PATH = data.path("heavy_v1.npz")
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 

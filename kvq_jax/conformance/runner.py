@@ -3,14 +3,14 @@
     results = check_pack(my_pack_kv, unpack_fn=my_unpack_kv, input_kind="torch")
     print(format_report(results))
 
-`pack_fn(values, *, kind, format, group_size, axis)` may return an object with the array
-fields as attributes (kvq's PackedKV) or a dict of them. A table-format case (INTB, FORMAT.md
-2b: `case.bits` set, `case.format` the table's registry name) runs only when `register_table`
-is given: it is called with the table before the case (kvq's stacks:
-`kvq_jax.formats.intb.register_table`, `kvq_torch_bridge.formats.intb.register_table`);
-without it the case is reported as skipped; arrays may be numpy, JAX or torch
-(CPU or CUDA). Arrays are compared as raw bytes; decoded values too, except that a NaN
-expected anywhere only has to be a NaN (decoded NaN payloads depend on the device).
+`pack_fn(values, *, kind, format, group_size, axis)` may return an object with the array fields as
+attributes (kvq's PackedKV) or a dict of them. A table-format case (INTB, FORMAT.md 2b: `case.bits`
+set, `case.format` the table's registry name) runs only when `register_table` is given: it is called
+with the table before the case (kvq's stacks: `kvq_jax.codecs.formats.intb.register_table`,
+`kvq_torch_bridge.codecs.formats.intb.register_table`); without it the case is reported as skipped;
+arrays may be numpy, JAX or torch (CPU or CUDA). Arrays are compared as raw bytes; decoded values
+too, except that a NaN expected anywhere only has to be a NaN (decoded NaN payloads depend on the
+device).
 """
 
 from __future__ import annotations

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 
 import ml_dtypes
 import numpy as np
 
+from kvq_jax import data
+
 VERSION = "kvq-conformance-v1"
-VECTORS_PATH = pathlib.Path(__file__).with_name("vectors_v1.npz")
+VECTORS_PATH = data.path("vectors_v1.npz")
 _DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),

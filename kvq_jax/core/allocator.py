@@ -12,8 +12,8 @@ points to a page another sequence owns.
 
 The cache never writes a page that is shared: an append writes only the pages from a
 sequence's current partial page on, and `fork` shares only pages that are complete in the
-parent (the partial page's rows are copied, raw, by `kvq_jax.paged_cache.fork` /
-`kvq_torch_bridge.paged_cache.fork`: copy-on-write of the partial page).
+parent (the partial page's rows are copied, raw, by `kvq_jax.cache.paged_cache.fork` /
+`kvq_torch_bridge.cache.paged_cache.fork`: copy-on-write of the partial page).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The paged cache's static configuration and the page-local group-size rule (both stacks).
 
 `PagedCacheConfig` is hashable (a static jit argument) and framework-neutral: the JAX cache
-(`kvq_jax.paged_cache`) and the Torch cache (`kvq_torch_bridge.paged_cache`) take the same
-object. Formats are looked up by name in the stacks' registries (`kvq_jax.core.registry`), so
-a codec registered by a user works in the cache like a built-in one.
+(`kvq_jax.cache.paged_cache`) and the Torch cache (`kvq_torch_bridge.cache.paged_cache`) take the
+same object. Formats are looked up by name in the stacks' registries (`kvq_jax.core.registry`), so a
+codec registered by a user works in the cache like a built-in one.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class PagedCacheConfig:
     sequence. Group sizes of None take the `resolve_paged` defaults; the residual formats use
     the base's group size when they share its format, else their own default (as
     `encode_loops`). Token-axis groups must divide page_size. `adaptive_exit` adds the
-    per-row exit record of early-exiting tokens (`kvq_jax.paged_cache`; 1 byte per token
+    per-row exit record of early-exiting tokens (`kvq_jax.cache.paged_cache`; 1 byte per token
     and page row, plus a bool per staging row): served by the XLA path.
     """
 

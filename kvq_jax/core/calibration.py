@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import pathlib
 
 import ml_dtypes
 import numpy as np
 
+from kvq_jax import data
 from kvq_jax.core.layouts import check_bit_table, check_group_size
 from kvq_jax.core.rope import rope_aware_weights, rope_tables
 
@@ -240,13 +240,12 @@ def load_key_tables(path) -> KeyTables:
     )
 
 
-#: Shipped table sets: name -> file beside the embedded capture (kvq_jax/report/data).
+#: Shipped table sets: name -> file in kvq_jax.data.
 SHIPPED_KEY_TABLES = {
     "smollm2": "intb_smollm2.npz",
     "smollm2-heavy": "intb_smollm2_heavy.npz",
     "smollm2-heavy-prerope": "intb_smollm2_heavy_prerope.npz",
 }
-_DATA = pathlib.Path(__file__).resolve().parents[1] / "report" / "data"
 
 
 @functools.cache
@@ -254,4 +253,4 @@ def get_key_tables(name: str) -> KeyTables:
     """The shipped table set `name` (a policy's `key_tables`), or a ValueError listing them."""
     if name not in SHIPPED_KEY_TABLES:
         raise ValueError(f"key_tables must be one of {sorted(SHIPPED_KEY_TABLES)}, got {name!r}")
-    return load_key_tables(_DATA / SHIPPED_KEY_TABLES[name])
+    return load_key_tables(data.path(SHIPPED_KEY_TABLES[name]))

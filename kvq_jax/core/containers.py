@@ -236,7 +236,7 @@ SLOT_FIELDS = ("k_stage", "v_stage", "k_sink", "v_sink", "seq_lens", "stage_exit
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PagedCacheBase:
-    """A paged cache's arrays (`kvq_jax.cache_state` documents each field) and its static
+    """A paged cache's arrays (`kvq_jax.codecs.cache_state` documents each field) and its static
     `PagedCacheConfig`."""
 
     k_base: Any

@@ -2,8 +2,8 @@
 
 One row per (group of G tokens, KV head) is stored INT8 beside a base format's payload of the
 other rows; the row is chosen from the keys with a static bfloat16 mean-query table
-[H, R, D]. The JAX (`kvq_jax.heavy`) and Torch (`kvq_torch_bridge.heavy`) stacks share these
-checks, so their errors read the same.
+[H, R, D]. The JAX (`kvq_jax.codecs.heavy`) and Torch (`kvq_torch_bridge.codecs.heavy`) stacks
+share these checks, so their errors read the same.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A layout says, for each format, which arrays a packed tensor holds and their shapes and
 dtypes, how `axis` and `group_size` default and what they may be. It reads shapes only, so the
-JAX codecs (`kvq_jax.formats`) and the Torch codecs (`kvq_torch_bridge.formats`) inherit the
-same class and raise the same errors with the same messages.
+JAX codecs (`kvq_jax.codecs.formats`) and the Torch codecs (`kvq_torch_bridge.codecs.formats`)
+inherit the same class and raise the same errors with the same messages.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rotary position embedding tables (rotate-half convention, as Llama, SmolLM2 and Gemma use),
 framework-neutral: a policy that stores keys before RoPE inverts it on the way in and
-re-applies it after decoding (`kvq_jax.rope`, `kvq_torch_bridge.rope`).
+re-applies it after decoding (`kvq_jax.codecs.rope`, `kvq_torch_bridge.codecs.rope`).
 
 cos/sin are computed in float64 and rounded once to float32, so both stacks rotate with the
 same numbers.

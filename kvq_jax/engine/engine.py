@@ -23,7 +23,7 @@ What attention reads (the same rule in prefill and decode):
   token-by-token decode would see them quantized. Long prompts are cut into chunks of
   `prefill_chunk` tokens; the tail is cut into power-of-two pieces (few compiled shapes).
 
-Attention is computed in float32 at HIGHEST precision in both (`kvq_jax.attention.attend` in
+Attention is computed in float32 at HIGHEST precision in both (`kvq_jax.codecs.attention.attend` in
 decode), the result rounded to the compute dtype before o_proj.
 
 Policies (`kvq_jax.core.policies`): K and V take the policy's base/residual formats and group
@@ -70,8 +70,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvq_jax import cache_state, paged_attention, paged_cache
-from kvq_jax.attention import attend
+from kvq_jax.cache import paged_attention, paged_cache
+from kvq_jax.codecs import cache_state
+from kvq_jax.codecs.attention import attend
 from kvq_jax.core.allocator import PageAllocator
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.policies import POLICIES, Policy
@@ -112,8 +113,8 @@ def layer_policies(policy: Policy, model) -> tuple[Policy, ...]:
     num_layers = model.config.num_layers
     if policy.key_tables is None:
         return (policy,) * num_layers
+    from kvq_jax.codecs.formats.intb import register_table
     from kvq_jax.core.calibration import get_key_tables
-    from kvq_jax.formats.intb import register_table
 
     tables = get_key_tables(policy.key_tables)
     name = model.source.get("model") if isinstance(model.source, dict) else None

@@ -8,7 +8,7 @@ Kernels that must reproduce the XLA codecs' bytes cannot use plain `/`, `*` and 
   `mul.rn.f32`, `add.rn.f32`), which PTX defines as correctly rounded and never contracted.
 - In interpret mode the kernel body runs through XLA:CPU, whose simplifier turns a division
   by a broadcast operand into a reciprocal multiply; `divide` goes through
-  `kvq_jax._numerics.divide`, the barrier the XLA codecs use.
+  `kvq_jax.codecs._numerics.divide`, the barrier the XLA codecs use.
 
 Every helper takes `interpret` (static): True for `pallas_call(..., interpret=True)`, False
 when the kernel lowers through Triton. Inputs are float32 arrays of one shape (broadcast
@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
-from kvq_jax import _numerics
+from kvq_jax.codecs import _numerics
 
 _SIGN = np.uint32(0x80000000)
 _MAGIC = 1.5 * 2**23  # adding it rounds |x| < 2**22 to an integer

@@ -31,7 +31,7 @@ Decoded NaNs are NaN (their sign/payload may differ from XLA's; compare them as 
 
 The residual step of a loop chain is `add_in_dtype_tile(prev, delta, dtype)`: the decoded
 delta rounded to the cache dtype (as `unpack` returns it), then one flushed float32 add and
-one rounding to the cache dtype (`kvq_jax._numerics.add_in_dtype`).
+one rounding to the cache dtype (`kvq_jax.codecs._numerics.add_in_dtype`).
 
 Every function takes `interpret` (keyword, static): True inside `pallas_call(...,
 interpret=True)`, False when the kernel lowers through Triton.
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvq_jax._numerics import e2m1_decode
+from kvq_jax.codecs._numerics import e2m1_decode
 from kvq_jax.core.constants import NVFP4_GROUP_SIZE
 from kvq_jax.kernels import _exact
 

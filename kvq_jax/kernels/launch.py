@@ -3,7 +3,7 @@ the rule that picks one per kernel and configuration. `backend="auto"` and the o
 backends fill it in; pass `launch=Launch(...)` to a kernel's public function to override it.
 
 The rules keep every configuration the kernels take free of register spills on sm_80,
-sm_90a and sm_120a (ptxas 13.5; `kvq_jax.kernels.cuda_compile`, docs/kernel_resources.md):
+sm_90a and sm_120a (ptxas 13.5; `kvq_jax.kernel_checks.cuda_compile`, docs/kernel_resources.md):
 
   page pack        4 warps, 1 stage: a [64, 128] tile is 64 elements per thread; each program
                    handles one tile (INT4/FP8) or two passes over a page's heads (NVFP4), so

@@ -1,7 +1,7 @@
 """Scalar oracle for cross-loop residuals, the BF16 window and loop stacks (plain Python).
 
-Follows kvq_jax.residual / kvq_jax.loops semantics from their definitions, sharing no code
-with them: deltas and sums are one float32 operation per element (flushed) rounded to the input
+Follows kvq_jax.codecs.residual / kvq_jax.codecs.loops semantics from their definitions, sharing no
+code with them: deltas and sums are one float32 operation per element (flushed) rounded to the input
 dtype; rows are moved with numpy indexing (containers only, no numpy arithmetic).
 
     D_l = X_l - R_{l-1};  R_l = R_{l-1} + unpack(pack(D_l))      (input dtype)

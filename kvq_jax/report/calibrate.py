@@ -8,7 +8,7 @@ captured layer in "layers"); loop 0 of every window is used. Calibrate on other 
 report evaluates on. `--mean-query` also stores each layer's heavy-row selection table (the
 mean query per query head, FORMAT.md 5a); `--pre-rope THETA` calibrates for keys stored
 before RoPE (THETA: the model's rope_theta). OUT is read by
-`kvq_jax.core.calibration.load_key_tables`; the shipped `kvq_jax/report/data/intb_smollm2.npz`
+`kvq_jax.core.calibration.load_key_tables`; the shipped `kvq_jax/data/intb_smollm2.npz`
 and `intb_smollm2_heavy.npz` were made this way (see their `source`).
 """
 

@@ -22,8 +22,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from kvq_jax import data
+
 #: The real K/V/Q shipped with kvq (SmolLM2-135M on English text; see meta for provenance).
-EMBEDDED_PATH = pathlib.Path(__file__).with_name("data") / "real_kv.npz"
+EMBEDDED_PATH = data.path("real_kv.npz")
 
 _FLOAT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 

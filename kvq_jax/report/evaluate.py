@@ -40,12 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax._numerics import subtract_in_dtype
-from kvq_jax.api import unpack_kv
+from kvq_jax.codecs._numerics import subtract_in_dtype
+from kvq_jax.codecs.api import unpack_kv
+from kvq_jax.codecs.heavy import heavy_kv
+from kvq_jax.codecs.loops import decode_loops, encode_loops
 from kvq_jax.core.policies import Policy
 from kvq_jax.core.rope import rope_tables
-from kvq_jax.heavy import heavy_kv
-from kvq_jax.loops import decode_loops, encode_loops
 from kvq_jax.report.capture import Capture
 from kvq_jax.report.key_tables import layer_policies
 from kvq_jax.report.metrics import (
@@ -152,7 +152,7 @@ def _stack_sums(stack, kind: str, policy: Policy):
 
 def _heavy_stack_sums(k_stack, v_stack, policy: Policy):
     """A heavy-row policy (one layer's) on one K and V stack [L, T, H, D]: every loop stored
-    whole with its own rows (`kvq_jax.heavy.heavy_kv`). Returns (k_hat, v_hat, k_bytes,
+    whole with its own rows (`kvq_jax.codecs.heavy.heavy_kv`). Returns (k_hat, v_hat, k_bytes,
     v_bytes, sums) with the sums of `_stack_sums` (payload: the packed rows of each loop)."""
     table = jnp.asarray(np.asarray(policy.heavy_table, np.float32), jnp.bfloat16)
     rows = k_stack.shape[1]

@@ -30,7 +30,7 @@ def layer_policies(policy: Policy, meta: dict, shape) -> list[Policy]:
     layer); shape: the capture's k shape [W, L, N, T, H, D]. Raises ValueError saying why the
     tables do not fit this capture.
     """
-    from kvq_jax.formats.intb import register_table
+    from kvq_jax.codecs.formats.intb import register_table
 
     tables = get_key_tables(policy.key_tables)
     model = capture_model(meta)

@@ -14,8 +14,8 @@ import warnings
 import torch
 
 from kvq_jax.core.policies import Policy
-from kvq_torch_bridge.api import pack_kv, unpack_kv
-from kvq_torch_bridge.residual import decode_residual, encode_residual
+from kvq_torch_bridge.codecs.api import pack_kv, unpack_kv
+from kvq_torch_bridge.codecs.residual import decode_residual, encode_residual
 
 CODECS = ("torch", "jax")
 
@@ -29,7 +29,7 @@ class TorchLoopCoder:
     def register_intb(table) -> str:
         """Register the INTB format of bit table `table` in the Torch registry (once);
         returns its name."""
-        from kvq_torch_bridge.formats.intb import register_table
+        from kvq_torch_bridge.codecs.formats.intb import register_table
 
         return register_table(table)
 
@@ -55,8 +55,8 @@ class TorchLoopCoder:
 
     def heavy(self, k: torch.Tensor, v: torch.Tensor, policy: Policy, table):
         """(k_hat, v_hat) of one loop of a heavy-row policy (one layer's): every loop whole,
-        with its own rows (`kvq_torch_bridge.heavy.heavy_kv`). table: bfloat16 [H, R, D]."""
-        from kvq_torch_bridge.heavy import heavy_kv
+        with its own rows (`kvq_torch_bridge.codecs.heavy.heavy_kv`). table: bfloat16 [H, R, D]."""
+        from kvq_torch_bridge.codecs.heavy import heavy_kv
 
         k_hat, v_hat, _, _ = heavy_kv(
             k,
@@ -83,13 +83,13 @@ class JaxLoopCoder:
     def register_intb(table) -> str:
         """Register the INTB format of bit table `table` in the JAX registry (once); returns
         its name."""
-        from kvq_jax.formats.intb import register_table
+        from kvq_jax.codecs.formats.intb import register_table
 
         return register_table(table)
 
     @staticmethod
     def _to_jax(x: torch.Tensor):
-        from kvq_torch_bridge.bridge import CopyWarning, torch_to_jax
+        from kvq_torch_bridge.bridge.dlpack import CopyWarning, torch_to_jax
 
         with warnings.catch_warnings():
             # XLA:CPU needs 64-byte-aligned buffers: an unaligned tensor is copied, which is
@@ -99,7 +99,7 @@ class JaxLoopCoder:
 
     @staticmethod
     def _to_torch(a) -> torch.Tensor:
-        from kvq_torch_bridge.bridge import jax_to_torch
+        from kvq_torch_bridge.bridge.dlpack import jax_to_torch
 
         return jax_to_torch(a)
 
@@ -131,7 +131,7 @@ class JaxLoopCoder:
         return self._to_torch(kvq_jax.decode_residual(code, prev))
 
     def heavy(self, k: torch.Tensor, v: torch.Tensor, policy: Policy, table):
-        """`TorchLoopCoder.heavy` through kvq_jax (`kvq_jax.heavy.heavy_kv`, jitted)."""
+        """`TorchLoopCoder.heavy` through kvq_jax (`kvq_jax.codecs.heavy.heavy_kv`, jitted)."""
         import jax.numpy as jnp
 
         k_hat, v_hat = _jax_heavy(
@@ -151,7 +151,7 @@ class JaxLoopCoder:
 def _jax_heavy_fn():
     import jax
 
-    from kvq_jax.heavy import heavy_kv
+    from kvq_jax.codecs.heavy import heavy_kv
 
     def fn(k, v, table, rope, *, key_format, value_format, group_size, window):
         k_hat, v_hat, _, _ = heavy_kv(

@@ -1,5 +1,5 @@
 """The Pallas Triton kernels compile to GPU machine code for sm_80, sm_90a and sm_120a, with no
-GPU (`kvq_jax.kernels.cuda_compile`: JAX deviceless AOT compilation, the pinned ptxas).
+GPU (`kvq_jax.kernel_checks.cuda_compile`: JAX deviceless AOT compilation, the pinned ptxas).
 
 - `cuda_compile` tests (python -m pytest -m cuda_compile): every kernel configuration of the
   CI subset (`cuda_compile.ci_subset`: every kernel, every format, both head dims, the
@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from kvq_jax.kernels import cuda_compile as cc
+from kvq_jax.kernel_checks import cuda_compile as cc
 
 MISSING = cc.availability()
 needs_compiler = pytest.mark.skipif(MISSING is not None, reason=f"no CUDA compiler: {MISSING}")

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import pytest
 
 from kvq_jax.core.cache_config import resolve_paged
+from kvq_jax.kernel_checks.arg_specs import page_pack as pack_specs
+from kvq_jax.kernel_checks.arg_specs import page_reconstruct as reconstruct_specs
 from kvq_jax.kernels import launch
 from kvq_jax.kernels.launch import Launch
 from kvq_jax.kernels.page_pack import api as pack_api
-from kvq_jax.kernels.page_pack import arg_specs as pack_specs
 from kvq_jax.kernels.page_pack import pallas_triton
 from kvq_jax.kernels.page_reconstruct import api as reconstruct_api
-from kvq_jax.kernels.page_reconstruct import arg_specs as reconstruct_specs
 from kvq_jax.kernels.page_reconstruct import pallas_triton as reconstruct_kernel
 
 

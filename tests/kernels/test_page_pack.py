@@ -25,15 +25,16 @@ import pytest
 from helpers import assert_packed_equal, assert_same_bytes, assert_trees_same_bytes
 
 from kvq_jax import oracle
-from kvq_jax.api import pack_kv, unpack_kv
-from kvq_jax.cache_state import codec_view
+from kvq_jax.cache.paged import pack_paged, resolve_paged
+from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache
+from kvq_jax.codecs.api import pack_kv, unpack_kv
+from kvq_jax.codecs.cache_state import codec_view
+from kvq_jax.codecs.residual import encode_residual
 from kvq_jax.core import registry
+from kvq_jax.kernel_checks.arg_specs import page_pack as arg_specs
 from kvq_jax.kernels import backend as kernel_backend
-from kvq_jax.kernels.page_pack import api, arg_specs, config_support, pallas_triton
+from kvq_jax.kernels.page_pack import api, config_support, pallas_triton
 from kvq_jax.kernels.page_pack import xla as page_pack_xla
-from kvq_jax.paged import pack_paged, resolve_paged
-from kvq_jax.paged_cache import PagedCacheConfig, append, init_cache
-from kvq_jax.residual import encode_residual
 
 ON_GPU = kernel_backend.pallas_device_support() is None
 NUM_EDGE_PAGES = 11

@@ -28,11 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from references import reference_pages
 
+from kvq_jax.cache.paged_cache import PagedCacheConfig, append, decode_pages, init_cache
+from kvq_jax.kernel_checks.arg_specs import page_reconstruct as arg_specs
 from kvq_jax.kernels import _exact
 from kvq_jax.kernels import backend as kernel_backend
-from kvq_jax.kernels.page_reconstruct import api, arg_specs, config_support, pallas_triton
+from kvq_jax.kernels.page_reconstruct import api, config_support, pallas_triton
 from kvq_jax.kernels.page_reconstruct import xla as page_reconstruct_xla
-from kvq_jax.paged_cache import PagedCacheConfig, append, decode_pages, init_cache
 
 ON_GPU = kernel_backend.pallas_device_support() is None
 #: The sequence's block table: logical pages 0, 1, 2 -> physical 2, 0, 3; page 1 unwritten.

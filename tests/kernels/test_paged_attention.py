@@ -20,7 +20,7 @@
   exp is an ex2.approx).
 - Errors and dispatch: unsupported configurations (auto falls back, explicit pallas raises
   naming the argument), bad num_splits / backend, the reference's argument checks, and
-  `kvq_jax.paged_attention.paged_decode_attention(backend=...)`.
+  `kvq_jax.cache.paged_attention.paged_decode_attention(backend=...)`.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ import pytest
 from references import reference_attention
 
 import kvq_jax
-import kvq_jax.paged_attention as public
+import kvq_jax.cache.paged_attention as public
+from kvq_jax.cache.paged_attention import dense_decode_attention
+from kvq_jax.cache.paged_cache import gather_batch
+from kvq_jax.kernel_checks.arg_specs import paged_attention as arg_specs
 from kvq_jax.kernels import backend as kernel_backend
-from kvq_jax.kernels.paged_attention import api, arg_specs, config_support, pallas_triton
+from kvq_jax.kernels.paged_attention import api, config_support, pallas_triton
 from kvq_jax.kernels.paged_attention import xla as paged_attention_xla
-from kvq_jax.paged_attention import dense_decode_attention
-from kvq_jax.paged_cache import gather_batch
 
 ON_GPU = kernel_backend.pallas_device_support() is None
 RTOL = ATOL = 2e-5
@@ -186,8 +187,8 @@ def test_blockwise_xla_equals_reconstruct_then_attend(spec, block_pages):
 def _adaptive_exit_cache():
     """A 3-loop adaptive-exit cache (page 16, sink 2): two sequences of 45 and 21 tokens whose
     tokens exit after loop 0, 1 or 2 (their K/V in later loops are the exit loop's)."""
-    from kvq_jax import paged_cache as jpc
-    from kvq_jax.cache_state import PagedCacheConfig
+    from kvq_jax.cache import paged_cache as jpc
+    from kvq_jax.codecs.cache_state import PagedCacheConfig
 
     config = PagedCacheConfig(
         num_pages=12, page_size=16, num_heads=2, head_dim=32, dtype=jnp.bfloat16, num_loops=3,
@@ -374,7 +375,7 @@ def test_backend_selection_on_this_device():
 
 
 def test_public_module_is_the_api():
-    """kvq_jax.paged_attention and the package re-export the one dispatching function."""
+    """kvq_jax.cache.paged_attention and the package re-export the one dispatching function."""
     assert public.paged_decode_attention is api.paged_decode_attention
     assert kvq_jax.paged_decode_attention is api.paged_decode_attention
 

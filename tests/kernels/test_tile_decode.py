@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kvq_jax import pack_kv, unpack_kv
-from kvq_jax._numerics import add_in_dtype
+from kvq_jax.codecs._numerics import add_in_dtype
 from kvq_jax.kernels import _tile_decode
 from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS
 

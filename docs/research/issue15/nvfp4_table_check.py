@@ -24,9 +24,10 @@ import page_reconstruct as pr
 import residual_speed as rs
 
 import kvq_jax
-from kvq_jax import _numerics as nm
-from kvq_jax.formats import nvfp4
-from kvq_jax.kernels.page_reconstruct import arg_specs, decode_pages
+from kvq_jax.codecs import _numerics as nm
+from kvq_jax.codecs.formats import nvfp4
+from kvq_jax.kernel_checks.arg_specs import page_reconstruct as arg_specs
+from kvq_jax.kernels.page_reconstruct import decode_pages
 
 N = 7
 

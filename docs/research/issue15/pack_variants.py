@@ -23,9 +23,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "bench"))
 import codec_speed as cs
 
 import kvq_jax
-from kvq_jax import _grouping, _nibbles
-from kvq_jax import _numerics as nm
-from kvq_jax.formats import nvfp4
+from kvq_jax.codecs import _grouping, _nibbles
+from kvq_jax.codecs import _numerics as nm
+from kvq_jax.codecs.formats import nvfp4
 
 IDENT = lambda x: x  # noqa: E731
 

@@ -28,7 +28,7 @@ import _timing
 import residual_speed
 
 import kvq_jax
-from kvq_jax._numerics import add_in_dtype
+from kvq_jax.codecs._numerics import add_in_dtype
 
 
 def planes(code):

@@ -1,7 +1,9 @@
 import dataclasses
+
 from kvq_jax.core.policies import POLICIES
 from kvq_jax.report.capture import load_capture
 from kvq_jax.report.evaluate import evaluate
+
 cap = load_capture()
 ps = []
 for name in ("int4-g64", "intb-hint4-smollm2", "int4-g64+win", "intb-hint4-smollm2+win"):

@@ -4,7 +4,12 @@ python capture.py --model smollm2 --out cap_smol_main.npz --windows 4 --tokens 5
     --layers 2,6,10,15,19,23,28 --loops 4 [--text FILE]
 Saves k, v, q as float32 [W, L, N, T, H, D] plus meta (JSON) and token ids.
 """
-import argparse, json, os, sys, time
+import argparse
+import json
+import os
+import sys
+import time
+
 sys.path[:0] = ["/tmp/research16/site", "/work/main"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np

@@ -1,8 +1,8 @@
 """Faster evaluation: quantize K and V once per (window, layer), then K-only, V-only and both
 decode-like attention errors (same definition as kvqlab.evaluate)."""
-import numpy as np
 import kvqlab
-from kvqlab import F32, SINK, RECENT, NQ, quantize_full
+import numpy as np
+from kvqlab import F32, NQ, RECENT, SINK, quantize_full
 
 
 def _probs(s, causal):

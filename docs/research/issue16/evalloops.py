@@ -4,9 +4,9 @@ cap4 = (k, v, q) [W, L, N, T, H, D]. schedule: list per loop of (kfn, vfn, mode)
 'abs' (loop packed whole) or 'delta' (residual against the reconstruction of the previous loop).
 Raw window rows are always the current loop's rows. Returns per-loop errors and bits.
 """
-import numpy as np
 import kvqlab
-from kvqlab import F32, SINK, RECENT, NQ
+import numpy as np
+from kvqlab import F32, NQ, RECENT, SINK
 
 
 def _probs(s, causal):

@@ -1,12 +1,19 @@
-"""Heavy rows through kvq's real heavy-row storage (kvq_jax.heavy: exact selection, INT8 rows,
+"""Heavy rows through kvq's real heavy-row storage (kvq_jax.codecs.heavy: exact selection, INT8 rows,
 INTB keys over 63-row groups, HINT4 values) on the issue-16 captures, decode-like error.
 Mean-query and INTB 3.75 tables from the other SmolLM2 capture (Gemma: other window half)."""
-import sys, json
+import json
+import sys
+
 sys.path[:0] = ["/tmp/research16", "/work/main"]
-import numpy as np, jax, jax.numpy as jnp, ml_dtypes, kvq_jax, evalfast, kvqlab
-from intb_eval import tables, register
-from kvq_jax.heavy import select_heavy, pack_heavy, unpack_heavy
+import evalfast
+import jax.numpy as jnp
+import kvqlab
+import numpy as np
+from intb_eval import register, tables
+
+from kvq_jax.codecs.heavy import pack_heavy, select_heavy, unpack_heavy
 from kvq_jax.core.calibration import mean_query_table
+
 F32 = np.float32
 
 def fn(knames, tabs, vfmt="hint4", G=64):

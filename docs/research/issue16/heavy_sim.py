@@ -6,10 +6,18 @@ calibrated on the *other* capture) is stored INT8 (per-row affine over D, fp16 m
 both K and V; its slot in the base payload holds the group's previous row (so it does not set
 the group's range; a format would drop the row: G-1 rows per group).
 """
-import sys, json
+import json
+import sys
+
 sys.path[:0] = ["/tmp/research16", "/work/main"]
-import numpy as np, jax, kvq_jax, evalfast, kvqlab
-from intb_eval import tables, register
+import evalfast
+import jax
+import kvqlab
+import numpy as np
+from intb_eval import register, tables
+
+import kvq_jax
+
 F32 = np.float32
 G = 64
 STATE = {}

@@ -1,9 +1,16 @@
 """Decode-like error on the issue-16 captures: K INT4 / INTB, V INT4 / HINT4 (kvq codecs)."""
-import sys, json
+import json
+import sys
+
 sys.path[:0]=["/tmp/research16","/work/main"]
-import numpy as np, jax, kvq_jax, evalfast, kvqlab
-from intb_eval import kvq_fn, tables, register
-from kvq_jax.core.calibration import intb_bit_table
+import evalfast
+import jax
+import kvqlab
+import numpy as np
+from intb_eval import register, tables
+
+import kvq_jax
+
 F32=np.float32
 def fn(kfmt, vfmt, g=64):
     def f(x, kind):

@@ -18,8 +18,8 @@ import kvqlab
 import numpy as np
 
 import kvq_jax
+from kvq_jax.codecs.formats.intb import IntBCodec
 from kvq_jax.core.calibration import intb_bit_table
-from kvq_jax.formats.intb import IntBCodec
 
 F32 = np.float32
 

@@ -1,10 +1,18 @@
 """K INTB at 4.5 bits/element with different token group sizes (mean bits + 32/G = 4.5),
 values HINT4 G64; tables calibrated on the other SmolLM2 capture."""
-import sys, json
+import json
+import sys
+
 sys.path[:0] = ["/tmp/research16", "/work/main"]
-import numpy as np, jax, kvq_jax, evalfast, kvqlab
+import evalfast
+import jax
+import kvqlab
+import numpy as np
 from intb_eval import register
+
+import kvq_jax
 from kvq_jax.core.calibration import intb_bit_table
+
 F32 = np.float32
 
 def fn(names, g):

@@ -1,6 +1,15 @@
-import sys, json, numpy as np, jax
+import sys
+
+import jax
+import numpy as np
+
 sys.path[:0]=['/work/wt-kbits/docs/research/issue16','/tmp/research16']
-import intb_eval as ie, evalfast, kvqlab, kvq_jax
+import evalfast
+import intb_eval as ie
+import kvqlab
+
+import kvq_jax
+
 caps = {n: kvqlab.load(f"/tmp/research16/cap_{n}.npz") for n in ("smol_main", "smol_other")}
 def vfn(G):
     def f(x, kind):

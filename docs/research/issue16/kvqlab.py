@@ -8,8 +8,9 @@ complete groups.
 from __future__ import annotations
 
 import json
-import numpy as np
+
 import ml_dtypes
+import numpy as np
 
 F32 = np.float32
 SINK, RECENT, NQ = 4, 16, 64

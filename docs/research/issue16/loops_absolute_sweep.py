@@ -17,8 +17,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from kvq_jax._numerics import add_in_dtype, subtract_in_dtype
-from kvq_jax.api import pack_kv, unpack_kv
+from kvq_jax.codecs._numerics import add_in_dtype, subtract_in_dtype
+from kvq_jax.codecs.api import pack_kv, unpack_kv
 from kvq_jax.core.window import Window
 from kvq_jax.report import capture as cap
 from kvq_jax.report.evaluate import (

@@ -2,7 +2,12 @@
 shortened English Wikipedia dump shipped in gensim's test data, second half Python stdlib
 source, equal lengths, so that text_windows(count=4) on the one file starts windows 0-1 in
 the prose and windows 2-3 in the Python source."""
-import bz2, html, re, sys, pathlib, sysconfig
+import bz2
+import html
+import pathlib
+import re
+import sys
+import sysconfig
 import xml.etree.ElementTree as ET
 
 DUMP = "/tmp/research16/site/gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"

@@ -1,13 +1,21 @@
-"""Pre-RoPE heavy policy through kvq's real code (kvq_jax.heavy.heavy_kv with rope=...) on the
+"""Pre-RoPE heavy policy through kvq's real code (kvq_jax.codecs.heavy.heavy_kv with rope=...) on the
 issue-16 captures; tables (kvq_jax.core.calibration.intb_bit_table(rope_theta=...)) and mean
 queries calibrated on the other capture (Gemma: other window half; its RoPE base per layer)."""
-import sys, json
+import json
+import sys
+
 sys.path[:0] = ["/tmp/research16", "/work/main"]
-import numpy as np, jax.numpy as jnp, kvqlab, evalfast, kvq_jax
+import evalfast
+import jax.numpy as jnp
+import kvqlab
+import numpy as np
 from intb_eval import register
+
+import kvq_jax
+from kvq_jax.codecs.heavy import heavy_kv
 from kvq_jax.core.calibration import intb_bit_table, mean_query_table
 from kvq_jax.core.rope import rope_tables
-from kvq_jax.heavy import heavy_kv
+
 F32 = np.float32
 
 def fn(knames, mus, thetas, G=64):

@@ -1,11 +1,17 @@
 """Pre-RoPE INTB keys (RoPE-aware tables) + HINT4 values + heavy rows, through kvq's codecs."""
-import sys, json
+import json
+import sys
+
 sys.path[:0] = ["/tmp/research16", "/work/main", "/work/main/docs/research/issue16"]
-import numpy as np, jax.numpy as jnp, kvqlab, evalfast
+import evalfast
+import jax.numpy as jnp
+import kvqlab
+import numpy as np
 from intb_eval import register
+
+from kvq_jax.codecs.heavy import pack_heavy, select_heavy, unpack_heavy
 from kvq_jax.core.calibration import allocate_bits, group_span_power, mean_query_table
-from kvq_jax.heavy import select_heavy, pack_heavy, unpack_heavy
-import kvq_jax
+
 F32 = np.float32
 THETA = 100000.0
 

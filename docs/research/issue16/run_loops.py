@@ -1,6 +1,8 @@
-import numpy as np, sys
+import sys
+
+import numpy as np
+
 exec(open("loops1.py").read().split("I = lambda")[0].split("for cn,c in caps4")[0])
-from evalloops import eval_loops
 R64=hadamard(64)
 had = lambda ctx,H,kind: np.broadcast_to(R64,(H,64,64))
 def qmean_self_perq(ctx,H):
@@ -25,6 +27,7 @@ S = {
  "L0 BEST 4.5-b policy, L1-3 K alloc 1.875/V int2 (3.0 b)": [(*ours(3.8125,4),"abs")]+[(*ours(1.875,2),"abs")]*3,
 }
 import evalloops
+
 # support K-delta / V-abs mode
 _orig = evalloops.eval_loops
 def eval_loops2(cap4, schedule):

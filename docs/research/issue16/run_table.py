@@ -4,13 +4,17 @@ schedules on the 4-loop captures). Writes table.md and table.json.
   OPENBLAS_NUM_THREADS=1 JAX_PLATFORMS=cpu nice -n 15 /work/main/.venv/bin/python run_table.py
   (optional args: substrings of candidate names to run only those)
 """
-import ast, json, os, sys, time
+import ast
+import json
+import os
+import sys
+import time
+
 import numpy as np
-import kvqlab
-from kvqlab import *
 from cands import *
 from evalfast import eval3
-import evalloops
+from kvqlab import *
+
 
 # ------------------------------------------------------------------ captures
 def thetas_of(meta, layers):

@@ -1,7 +1,14 @@
-import sys, json
+import sys
+
 sys.path[:0] = ["/tmp/research16", "/work/main"]
-import numpy as np, jax, kvq_jax, evalfast, kvqlab
+import evalfast
+import jax
+import kvqlab
+import numpy as np
 from heavy_sim import int8_rows, qmeans
+
+import kvq_jax
+
 F32 = np.float32; G = 64
 def sel_by(score):
     T, H = score.shape

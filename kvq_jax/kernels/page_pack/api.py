@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import resolve_paged
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.page_pack import pallas_triton, xla
-from kvq_jax.packed import PackedKV
 
 #: Formats the kernel implements.
 KERNEL_FORMATS = ("int4", "nvfp4", "fp8_e4m3")
@@ -114,7 +114,7 @@ def pack_paged(
     backend: str = "auto",
     launch: _launch.Launch | None = None,
 ) -> PackedKV:
-    """Pack every page of `pages` [P, page_size, H, D] on its own (`kvq_jax.paged`).
+    """Pack every page of `pages` [P, page_size, H, D] on its own (`kvq_jax.cache.paged`).
 
     Args:
       pages: [P, page_size, H, D] bfloat16, float16 or float32.

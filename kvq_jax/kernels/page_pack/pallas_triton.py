@@ -41,7 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kvq_jax import _numerics
+from kvq_jax.codecs import _numerics
+from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core.constants import (
     E2M1_MAX,
     E4M3_MAX,
@@ -54,7 +55,6 @@ from kvq_jax.core.constants import (
 from kvq_jax.kernels import _exact
 from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.launch import Launch
-from kvq_jax.packed import PackedKV
 
 _EXPONENT = np.uint32(0x7F800000)
 _F16_NAN_BITS = np.uint16(0x7E00)  # canonical float16 NaN (docs/FORMAT.md section 3)

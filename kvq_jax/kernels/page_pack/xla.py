@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import jax
 
-from kvq_jax.packed import PackedKV
-from kvq_jax.registry import get_codec
+from kvq_jax.codecs.packed import PackedKV
+from kvq_jax.codecs.registry import get_codec
 
 
 def pack_paged(pages, *, kind: str, format: str, group_size: int, axis: str) -> PackedKV:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvq_jax.cache_state import check_cache, planes
+from kvq_jax.codecs.cache_state import check_cache, planes
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.layouts import check_kind

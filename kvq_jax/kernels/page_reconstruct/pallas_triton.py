@@ -5,7 +5,7 @@ packed planes are whole-array refs indexed with that id), head h: the base (loop
 the residual tiles of loops 1..l of that page, and writes loop l's tile [page_size, D] in the
 cache dtype. The running reconstruction stays in registers; after each residual step it is
 rounded to the cache dtype exactly as `decode_residual` (`add_in_dtype`) does, so the output
-is bit for bit `kvq_jax.paged_cache.decode_pages` (NaNs compared as NaN). Intermediate loops
+is bit for bit `kvq_jax.cache.paged_cache.decode_pages` (NaNs compared as NaN). Intermediate loops
 are never written to memory.
 
 E4M3 arrays (NVFP4 block scales, FP8 codes) are bitcast to uint8 in XLA before the call and

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kvq_jax._numerics import add_in_dtype
-from kvq_jax.api import unpack_kv
-from kvq_jax.cache_state import codec_view
+from kvq_jax.codecs._numerics import add_in_dtype
+from kvq_jax.codecs.api import unpack_kv
+from kvq_jax.codecs.cache_state import codec_view
 
 
 def _taken(take, arrays: dict, pages) -> dict:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvq_jax.cache_state import check_cache
+from kvq_jax.codecs.cache_state import check_cache
 from kvq_jax.core import checks
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels import launch as _launch

@@ -21,8 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvq_jax import cache_state
-from kvq_jax.attention import attend
+from kvq_jax.codecs import cache_state
+from kvq_jax.codecs.attention import attend
 from kvq_jax.kernels.page_reconstruct import xla as page_xla
 
 #: Tokens one block of pages holds by default (a block is decoded, attended and dropped).
@@ -36,7 +36,7 @@ def default_block_pages(page_size: int) -> int:
 
 def paged_decode_attention_reference(q, cache, block_tables, seq_lens, seq_ids, *, loop: int):
     """Reconstruct every attended page (`cache_state.read_batch` with the XLA page decoder),
-    then dense float32 attention at HIGHEST precision (`kvq_jax.attention.attend`).
+    then dense float32 attention at HIGHEST precision (`kvq_jax.codecs.attention.attend`).
 
     Same arguments and result as `paged_decode_attention`; peak memory grows with the context
     (the whole reconstructed K and V of every sequence). Kept as the reference the blockwise

@@ -1,0 +1,1 @@
+"""The `kvq` command line (`commands.main`) and its embedded demo (`demo`)."""

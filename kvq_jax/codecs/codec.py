@@ -1,0 +1,44 @@
+"""The JAX codec interface every storage format implements.
+
+A codec turns a [T, H, D] bf16/fp16/fp32 tensor into a `PackedKV` and back. Its `pack` and
+`unpack` are the *reference* (XLA) paths: `unpack` materializes the dequantized tensor, which a
+serving attention kernel never does (it dequantizes in registers). Any kernel is held to these
+paths, and to the scalar oracle, byte for byte (`kvq conformance`).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax.codecs.packed import PackedKV
+from kvq_jax.core.layouts import FormatLayout
+
+
+class Codec(FormatLayout, abc.ABC):
+    """A storage format implemented in JAX: a `kvq_jax.core.layouts.FormatLayout` (names, group-size
+    rules, array shapes) plus `pack`/`unpack`. Subclass a layout and this class, implement the
+    two data paths, and add an instance with `kvq_jax.register_codec`.
+    """
+
+    # -- data paths (reference / XLA) -----------------------------------------------------
+    @abc.abstractmethod
+    def pack(self, values: jnp.ndarray, *, kind: str, axis: str, group_size: int) -> PackedKV:
+        """Quantize validated [T, H, D] values (axis/group_size already resolved)."""
+
+    @abc.abstractmethod
+    def unpack(self, packed: PackedKV, dtype: np.dtype) -> jnp.ndarray:
+        """Reference dequantization to [T, H, D] in `dtype` (materializes the tensor)."""
+
+    def _packed(self, arrays: dict, *, kind, axis, group_size, shape, dtype) -> PackedKV:
+        return PackedKV(
+            **arrays,
+            format=self.name,
+            kind=kind,
+            axis=axis,
+            group_size=group_size,
+            shape=tuple(shape),
+            dtype=np.dtype(dtype),
+        )

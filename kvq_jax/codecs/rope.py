@@ -1,0 +1,34 @@
+"""RoPE in JAX (rotate-half convention; tables from `kvq_jax.core.rope.rope_tables`): keys
+stored before RoPE are inverted on the way in and re-rotated after decoding.
+
+Computed in float64 and rounded once to float32: the float32 products are exact there, so a
+fused multiply-add (which XLA:CPU forms) gives the same bits as separate operations, and the
+Torch mirror (`kvq_torch_bridge.codecs.rope`) matches bit for bit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def _rotate(x, cos, sin, sign: float):
+    with jax.enable_x64(True):
+        x = x.astype(np.float64)
+        cos, sin = (jnp.asarray(a).astype(np.float64) for a in (cos, sin))
+        return (x * cos + sign * (_rotate_half(x) * sin)).astype(np.float32)
+
+
+def apply_rope(x, cos, sin):
+    """[T, H, D] -> x * cos + rotate_half(x) * sin as float32 (cos, sin: float32 [T, 1, D])."""
+    return _rotate(x.astype(jnp.float32), cos, sin, 1.0)
+
+
+def invert_rope(x, cos, sin):
+    """The inverse rotation: x * cos - rotate_half(x) * sin, float32."""
+    return _rotate(x.astype(jnp.float32), cos, sin, -1.0)

@@ -1,0 +1,222 @@
+"""Argument specs of `reconstruct_pages`, shared by the tests and the benchmark.
+
+A `ReconstructSpec` names one cache configuration (formats of K and V base and residual
+planes, page geometry, loops, dtype, group sizes) and the loop to reconstruct. It builds the
+`PagedCacheConfig`, abstract arguments (for lowering without data) and packed byte counts.
+
+Lists:
+  FORMAT_PAIRS     every (base, residual) pair of int4 / nvfp4 / fp8_e4m3 (9)
+  SUPPORTED_SPECS  every pair (as K or V) at every supported page geometry (page_size
+                   16/32/64 x head_dim 64/128), loop = num_loops - 1: the kernel builds for
+                   each (the GPU-lowering test)
+  TEST_SPECS       small caches (tiny P and H) for interpret-mode tests: every format pair,
+                   several group sizes, H in {1, 2, 3}, bf16 / fp16 / fp32
+  BENCH_SPECS      Ouro-like pages: H 16, D 128, pages 16 / 64, int4 / nvfp4 / mixed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
+from kvq_jax.codecs.registry import get_codec
+
+FORMATS = ("int4", "nvfp4", "fp8_e4m3")
+FORMAT_PAIRS = tuple(itertools.product(FORMATS, FORMATS))
+KINDS = ("key", "value")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReconstructSpec:
+    """One configuration of `reconstruct_pages` (see the module doc)."""
+
+    k_base_format: str = "int4"
+    k_residual_format: str = "int4"
+    v_base_format: str = "int4"
+    v_residual_format: str = "int4"
+    page_size: int = 16
+    num_heads: int = 2
+    head_dim: int = 64
+    num_loops: int = 3
+    loop: int = 2
+    dtype: str = "bfloat16"
+    k_group_size: int | None = None
+    v_group_size: int | None = None
+    num_pages: int = 4
+
+    @property
+    def name(self) -> str:
+        groups = ""
+        if self.k_group_size or self.v_group_size:
+            groups = f"-g{self.k_group_size or ''}/{self.v_group_size or ''}"
+        return (
+            f"K{_short(self.k_base_format)}+{_short(self.k_residual_format)}"
+            f"-V{_short(self.v_base_format)}+{_short(self.v_residual_format)}"
+            f"-p{self.page_size}-h{self.num_heads}-d{self.head_dim}"
+            f"-L{self.num_loops}l{self.loop}-{self.dtype}{groups}"
+        )
+
+    def config(self, *, max_seqs: int = 1) -> PagedCacheConfig:
+        return PagedCacheConfig(
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            dtype=jnp.dtype(self.dtype),
+            num_loops=self.num_loops,
+            k_base_format=self.k_base_format,
+            k_residual_format=self.k_residual_format,
+            v_base_format=self.v_base_format,
+            v_residual_format=self.v_residual_format,
+            k_group_size=self.k_group_size,
+            v_group_size=self.v_group_size,
+            max_seqs=max_seqs,
+        )
+
+    def abstract_cache(self):
+        """The cache as a pytree of jax.ShapeDtypeStruct (no memory)."""
+        config = self.config()
+        return jax.eval_shape(lambda: init_cache(config))
+
+    def page_ids(self, n: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((n,), jnp.int32)
+
+    def packed_page_bytes(self, kind: str, level: str) -> int:
+        """Bytes of one packed page of `kind` at `level` ("base" / "residual")."""
+        spec = self.config().pack_args(kind, level)
+        shape = (self.page_size, self.num_heads, self.head_dim)
+        return get_codec(spec["format"]).storage_bytes(shape, spec["axis"], spec["group_size"])
+
+    def bytes_moved(self, kind: str, num_pages: int) -> int:
+        """Bytes a one-pass reconstruction of `num_pages` pages of loop `loop` reads and
+        writes: the packed base page, `loop` packed residual pages and the output page."""
+        read = self.packed_page_bytes(kind, "base")
+        if self.loop:
+            read += self.loop * self.packed_page_bytes(kind, "residual")
+        out = self.page_size * self.num_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return num_pages * (read + out)
+
+
+def _short(fmt: str) -> str:
+    return {"int4": "i4", "nvfp4": "nv", "fp8_e4m3": "f8"}[fmt]
+
+
+def _pairs_as_specs(**geometry) -> list[ReconstructSpec]:
+    """Every (base, residual) pair appears as K or V in ceil(9 / 2) specs."""
+    pairs = list(FORMAT_PAIRS)
+    pairs += pairs[: len(pairs) % 2]
+    return [
+        ReconstructSpec(
+            k_base_format=k[0],
+            k_residual_format=k[1],
+            v_base_format=v[0],
+            v_residual_format=v[1],
+            **geometry,
+        )
+        for k, v in zip(pairs[0::2], pairs[1::2], strict=True)
+    ]
+
+
+SUPPORTED_SPECS = tuple(
+    spec
+    for page_size, head_dim in itertools.product((16, 32, 64), (64, 128))
+    for spec in _pairs_as_specs(
+        page_size=page_size, head_dim=head_dim, num_heads=4, num_loops=4, loop=3
+    )
+)
+
+TEST_SPECS = (
+    ReconstructSpec(
+        k_base_format="int4",
+        k_residual_format="int4",
+        v_base_format="nvfp4",
+        v_residual_format="nvfp4",
+        page_size=16,
+        num_heads=2,
+        head_dim=64,
+        num_loops=3,
+        loop=2,
+        dtype="bfloat16",
+    ),
+    ReconstructSpec(
+        k_base_format="nvfp4",
+        k_residual_format="int4",
+        v_base_format="int4",
+        v_residual_format="nvfp4",
+        page_size=32,
+        num_heads=1,
+        head_dim=64,
+        num_loops=2,
+        loop=1,
+        dtype="float16",
+        v_group_size=32,
+    ),
+    ReconstructSpec(
+        k_base_format="int4",
+        k_residual_format="fp8_e4m3",
+        v_base_format="fp8_e4m3",
+        v_residual_format="int4",
+        page_size=16,
+        num_heads=3,
+        head_dim=128,
+        num_loops=2,
+        loop=1,
+        dtype="float32",
+        k_group_size=4,
+    ),
+    ReconstructSpec(
+        k_base_format="nvfp4",
+        k_residual_format="fp8_e4m3",
+        v_base_format="fp8_e4m3",
+        v_residual_format="nvfp4",
+        page_size=64,
+        num_heads=2,
+        head_dim=64,
+        num_loops=2,
+        loop=1,
+        dtype="bfloat16",
+    ),
+    ReconstructSpec(
+        k_base_format="fp8_e4m3",
+        k_residual_format="fp8_e4m3",
+        v_base_format="int4",
+        v_residual_format="int4",
+        page_size=16,
+        num_heads=2,
+        head_dim=64,
+        num_loops=2,
+        loop=1,
+        dtype="bfloat16",
+        v_group_size=16,
+    ),
+)
+
+BENCH_FORMATS = {
+    # name: (K base, K residual, V base, V residual)
+    "int4": ("int4", "int4", "int4", "int4"),
+    "nvfp4": ("nvfp4", "nvfp4", "nvfp4", "nvfp4"),
+    "mixed": ("int4", "nvfp4", "nvfp4", "int4"),
+}
+
+BENCH_SPECS = tuple(
+    ReconstructSpec(
+        k_base_format=f[0],
+        k_residual_format=f[1],
+        v_base_format=f[2],
+        v_residual_format=f[3],
+        page_size=page_size,
+        num_heads=16,
+        head_dim=128,
+        num_loops=4,
+        loop=loop,
+        dtype="bfloat16",
+        num_pages=4096 * 8 // page_size,  # 8 sequences x 4096 tokens
+    )
+    for f in BENCH_FORMATS.values()
+    for page_size in (16, 64)
+    for loop in (0, 3)
+)
