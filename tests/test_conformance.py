@@ -61,18 +61,35 @@ def test_vectors_cover_formats_dtypes_and_edge_cases():
         assert (mids == m).any() and (mids == -m).any(), m
 
 
-@pytest.mark.parametrize("input_kind", ["numpy", "jax"])
-def test_kvq_jax_passes_every_vector(input_kind):
+#: numpy inputs differ from jax inputs only at the entry conversion: every 9th vector (all
+#: formats and dtypes among them) runs with numpy inputs by default, all of them with --run-slow.
+NUMPY_SAMPLE = CASES[::9]
+
+
+@pytest.mark.parametrize(
+    "input_kind, cases",
+    [
+        pytest.param("jax", CASES, id="jax"),
+        pytest.param("numpy", NUMPY_SAMPLE, id="numpy-sample"),
+        pytest.param("numpy", CASES, id="numpy", marks=pytest.mark.slow),
+    ],
+)
+def test_kvq_jax_passes_every_vector(input_kind, cases):
+    if cases is NUMPY_SAMPLE:
+        assert {c.format for c in cases if c.bits is None} == {
+            c.format for c in CASES if c.bits is None
+        }
+        assert {c.values.dtype for c in cases} == {c.values.dtype for c in CASES}
     results = check_pack(
         kvq_jax.pack_kv,
         unpack_fn=kvq_jax.unpack_kv,
         input_kind=input_kind,
-        cases=CASES,
+        cases=cases,
         register_table=register_table,
     )
     failed = [f"{r.name}: {r.detail}" for r in results if not r.passed]
     assert not failed, failed[:5]
-    assert len(results) == len(CASES) >= 100
+    assert len(results) == len(cases) and len(CASES) >= 100
 
 
 def off_by_one_code(values, **kwargs):

@@ -296,7 +296,7 @@ def test_report_skips_a_table_policy_on_other_models_and_refuses_it_when_asked(
     cap.save_capture(path, _smol_capture(model="fixture", layers=(0,)))
     few = {name: POLICIES[name] for name in ("bf16", "intb-smollm2")}
     monkeypatch.setattr(policies_module, "POLICIES", few)  # "all" = these two
-    assert cli.main(["report", "--kv", str(path), "--no-progress"]) == 0
+    assert cli.main(["report", "--kv", str(path), "--policies", "all", "--no-progress"]) == 0
     out, err = capsys.readouterr()
     assert "skipping intb-smollm2: policy 'intb-smollm2': its key tables are for" in err
     assert "intb-smollm2" not in out and "bf16" in out

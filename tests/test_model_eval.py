@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvq_torch_bridge  # noqa: E402
-from kvq_jax.core.policies import POLICIES, parse_policies  # noqa: E402
+from kvq_jax.core.policies import DEFAULT_REPORT, POLICIES, parse_policies  # noqa: E402
 from kvq_jax.report.capture import EMBEDDED_PATH, load_capture  # noqa: E402
 from kvq_torch_bridge.model_eval.evaluate import evaluate_policies  # noqa: E402
 from kvq_torch_bridge.model_eval.loading import load_model  # noqa: E402
@@ -100,11 +100,11 @@ def test_report_plain_model_end_to_end(tiny_dirs, capsys):
     rc, info = _report(tiny_dirs, "--model", tiny_dirs["plain"])
     assert rc == 0
     rows = _check_rows(info)
-    # every policy by default, in table order, but those with per-layer key tables (skipped,
-    # saying so: the model evaluation does not run them)
-    assert list(rows) == [name for name, p in POLICIES.items() if p.key_tables is None]
+    # the default rows (the served policies), in table order, but those with per-layer key
+    # tables for another model (skipped, saying so)
+    assert list(rows) == [n for n in DEFAULT_REPORT if POLICIES[n].key_tables is None]
     captured = capsys.readouterr()
-    for name in ("intb-smollm2", "intb-smollm2+win"):  # tables for SmolLM2, not this model
+    for name in ("intb-smollm2", "intb-hint4-smollm2+win"):  # tables for SmolLM2, not this model
         assert f"skipping {name}: policy {name!r}: its key tables are for" in captured.err
     assert info["loops"] == 1 and info["emulated"] is False
     assert info["positions"] == WINDOWS * PREDICTIONS

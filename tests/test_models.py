@@ -649,7 +649,7 @@ def smollm2_text():
     from kvq_jax.models.loading import load_tokenizer, smollm2_path
 
     path = smollm2_path()
-    ids = load_tokenizer(path.parent, path.name)(SMOLLM2_TEXT)["input_ids"]
+    ids = load_tokenizer(path.parent, path.name).encode(SMOLLM2_TEXT)
     assert len(ids) >= 64, len(ids)
     return list(ids[:64])
 

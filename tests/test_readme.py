@@ -1,5 +1,6 @@
-"""The README's promises: its test command is what CI runs and its quickstart runs as printed.
-(The main job, `kvq report` on the embedded capture, is run and its table checked by
+"""The README's promises: a front page (<= 200 lines), its test command is what CI runs, and
+its examples (then docs/GUIDE.md's) run as printed. (The main job's output, `kvq report` on
+the embedded capture, is compared with the README's block by
 `tests/test_report.py::test_default_run_on_the_embedded_capture`.)"""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+GUIDE = (ROOT / "docs" / "GUIDE.md").read_text()
 
 
 def bash_blocks(text: str) -> list[str]:
@@ -27,9 +29,17 @@ def test_two_setup_commands_and_ci_runs_the_test_command():
     assert tests in ci, f"{tests!r} is not a line of .ci/run"
 
 
+def test_readme_is_a_front_page():
+    assert len(README.splitlines()) <= 200
+    for doc in ("docs/GUIDE.md", "docs/RESULTS.md", "docs/LAYERS.md", "CONTRIBUTING.md"):
+        assert f"]({doc})" in README and (ROOT / doc).is_file(), doc
+
+
 def test_python_examples_run_and_their_comments_are_true(capsys):
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    assert len(blocks) >= 3
+    readme = re.findall(r"```python\n(.*?)```", README, re.S)
+    guide = re.findall(r"```python\n(.*?)```", GUIDE, re.S)
+    assert len(readme) >= 3 and len(guide) >= 2
+    blocks = readme + guide
     namespace: dict = {}
     for i, code in enumerate(blocks):
         exec(compile(code, f"README python block {i}", "exec"), namespace)

@@ -26,6 +26,7 @@ from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.layouts import FormatLayout, check_kind
 from kvq_torch_bridge.cache import paged_attention as tpa
 from kvq_torch_bridge.cache import paged_cache as tpc
+from kvq_torch_bridge.codecs._dtypes import torch_dtype
 
 NAME = "pow2_int8"
 
@@ -72,7 +73,7 @@ class TorchPow2Int8(Pow2Int8Layout, kvt.Codec):
 
     def unpack(self, packed, dtype):
         out = packed.codes.to(torch.float32) * packed.global_scale / 128
-        return out.to(kvt.packed.torch_dtype(dtype))
+        return out.to(torch_dtype(dtype))
 
 
 def numpy_pack(x: np.ndarray) -> tuple[np.ndarray, np.float32]:

@@ -24,6 +24,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 DEVICES = 4
 
 COMMON = r"""
@@ -282,6 +284,7 @@ def test_head_sharding_is_collective_free_except_nvfp4_global_scale():
             assert found == [], (name, found)
 
 
+@pytest.mark.slow  # 85 s on 2 cores
 def test_paged_cache_append_and_attention_are_head_sharded():
     """`append` (prefill and decode, loops 0 and 1) and `paged_decode_attention` with every
     page / staging / sink array of the cache sharded over its head axis: outputs stay sharded,
@@ -332,6 +335,7 @@ print("REPORT " + json.dumps(found))
 """
 
 
+@pytest.mark.slow  # 110 s on 2 cores
 def test_engine_sharded_over_kv_heads_gives_the_same_tokens():
     """The engine with every cache split over 4 devices along its KV heads (parameters
     replicated) produces the unsharded engine's tokens (greedy, two sequences, Llama and a

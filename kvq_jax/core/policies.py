@@ -26,6 +26,7 @@ import dataclasses
 
 import numpy as np
 
+from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.window import Window
 
 #: The BF16 window of the "+win" rows: 4 attention-sink rows and the 16 most recent rows.
@@ -380,12 +381,154 @@ POLICIES: dict[str, Policy] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class ServingSupport:
+    """Whether the paged cache, the engine and `kvq generate` serve a policy.
+
+    served: True or False (also the object's truth value); reason: why not ("" when served),
+    a sentence that names the policy. `check()` raises it as a ValueError.
+    """
+
+    served: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.served
+
+    def check(self) -> None:
+        if not self.served:
+            raise ValueError(self.reason)
+
+
+def _feature_loops(policy: Policy) -> int:
+    """The fewest loops at which every feature of `policy` shows (absolute loops, per-loop
+    residual formats), at least 4: the loop count `serving_support` judges by default."""
+    loops = 4
+    for kind in ("key", "value"):
+        residual = policy.formats(kind)[1]
+        if not isinstance(residual, str):
+            loops = max(loops, len(residual) + 1)
+    absolute = (*policy.absolute, *(policy.v_absolute or ()))
+    return max(loops, *(a + 1 for a in absolute)) if absolute else loops
+
+
+def serving_support(policy: Policy, *, num_loops: int | None = None) -> ServingSupport:
+    """Can the paged cache and the engine serve `policy` at `num_loops` loops, and if not, why.
+
+    num_loops: the model's loop count; None judges the policy at every loop count its
+    features need (`_feature_loops`, >= 4). The one answer every refusal quotes: the engine,
+    `kvq generate`, `kvq report` (its default rows are the served policies) and
+    `cache_config_for`. Per-layer key tables (`Policy.key_tables`) are served; whether a
+    table set fits a model is checked where the model is known (`KeyTables.check_fit`).
+    """
+    if isinstance(num_loops, bool) or not (num_loops is None or isinstance(num_loops, int)):
+        raise TypeError(f"num_loops must be an int or None, got {num_loops!r}")
+    if num_loops is not None and num_loops < 1:
+        raise ValueError(f"num_loops must be >= 1, got {num_loops}")
+    loops = _feature_loops(policy) if num_loops is None else num_loops
+    not_served = f"policy {policy.name!r} is not served by the paged cache and the engine: "
+    if policy.heavy is not None:
+        return ServingSupport(
+            False,
+            not_served + "it stores heavy rows (Policy.heavy) and the paged cache has no "
+            "heavy-row pages yet; kvq_jax.pack_heavy and kvq report run it",
+        )
+    for kind in ("key", "value"):
+        absolute = policy.absolute_loops(kind, loops)
+        if absolute:
+            return ServingSupport(
+                False,
+                not_served + f"it stores loops {absolute} of {kind}s absolute and the paged "
+                "cache stores every later loop as a delta against the previous loop's pages "
+                "(its reconstruction and kernels add them); encode_loops / decode_loops run it",
+            )
+    for kind in ("key", "value"):
+        formats = policy.loop_formats(kind, loops)
+        if len(set(formats[1:])) > 1:
+            return ServingSupport(
+                False,
+                not_served + f"it stores the later loops of {kind}s in different formats "
+                f"({formats}) and the paged cache holds one residual format per kind; "
+                "encode_loops / decode_loops run it",
+            )
+    return ServingSupport(True)
+
+
+def cache_config_for(
+    policy: Policy, *, num_pages, page_size, num_heads, head_dim, dtype, num_loops, max_seqs
+) -> PagedCacheConfig:
+    """The `PagedCacheConfig` of a quantized policy at `num_loops` loops: ValueError for
+    "bf16", for a policy `serving_support` refuses (its reason), for a `key_tables` policy
+    (take one layer's policy first: `per_layer_policies`) and for a group size that does not
+    fit the page."""
+    if not policy.quantized:
+        raise ValueError(f"policy {policy.name!r} is unquantized: it has no PagedCacheConfig")
+    serving_support(policy, num_loops=num_loops).check()
+    if policy.key_tables is not None:
+        raise ValueError(
+            f"policy {policy.name!r} stores keys with per-layer INTB tables "
+            f"({policy.key_tables}): take one layer's policy (per_layer_policies) first"
+        )
+    k_base, k_res = policy.loop_formats("key", 2)
+    v_base, v_res = policy.loop_formats("value", 2)
+    return PagedCacheConfig(
+        num_pages=num_pages,
+        page_size=page_size,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        num_loops=num_loops,
+        k_base_format=k_base,
+        k_residual_format=k_res,
+        v_base_format=v_base,
+        v_residual_format=v_res,
+        k_group_size=policy.group_size,
+        v_group_size=policy.group_size,
+        sink=policy.window.sink if policy.window is not None else 0,
+        max_seqs=max_seqs,
+    )
+
+
+def per_layer_policies(policy: Policy, tables, layers, register) -> tuple[Policy, ...]:
+    """The policy of each model layer in `layers` for a `key_tables` policy: its keys in the
+    INTB format of that layer's bit table, registered by `register(table) -> format name`
+    (a stack's `formats.intb.register_table`), with the layer's mean-query table for heavy
+    rows and the tables' RoPE base. tables: the policy's `KeyTables`, already checked to fit
+    the model (`KeyTables.check_fit`); a missing layer is a ValueError."""
+    out = []
+    for layer in layers:
+        heavy = tables.heavy_table(policy.name, layer) if policy.heavy is not None else None
+        out.append(policy.for_key_format(register(tables.table(layer)), heavy, tables.rope_theta))
+    return tuple(out)
+
+
+#: The rows of `kvq report` with no --policies: served policies (`serving_support`) and the
+#: bf16 reference, at most 12; "all" adds the others, each with the reason it is not served.
+DEFAULT_REPORT = (
+    "bf16",
+    "int4-g32",
+    "int4-g64",
+    "int4-g64+win",
+    "nvfp4",
+    "fp8",
+    "mixed",
+    "flashloop-kivi",
+    "int4-hint4",
+    "intb-smollm2",
+    "intb-hint4-smollm2",
+    "intb-hint4-smollm2+win",
+)
+
+
 def parse_policies(text: str | None) -> list[Policy]:
-    """'int4-g64,nvfp4+win' -> those policies (None or "all": every policy).
+    """'int4-g64,nvfp4+win' -> those policies; None: the default rows (`DEFAULT_REPORT`);
+    "all": every policy.
 
     Raises ValueError naming the unknown entries and listing the known names.
     """
-    if text is None or text.strip() == "all":
+    if text is None:
+        return [POLICIES[n] for n in DEFAULT_REPORT]
+    if text.strip() == "all":
         return list(POLICIES.values())
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]

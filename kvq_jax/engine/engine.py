@@ -74,8 +74,13 @@ from kvq_jax.cache import paged_attention, paged_cache
 from kvq_jax.codecs import cache_state
 from kvq_jax.codecs.attention import attend
 from kvq_jax.core.allocator import PageAllocator
-from kvq_jax.core.cache_config import PagedCacheConfig
-from kvq_jax.core.policies import POLICIES, Policy
+from kvq_jax.core.policies import (
+    POLICIES,
+    Policy,
+    cache_config_for,
+    per_layer_policies,
+    serving_support,
+)
 from kvq_jax.models import architecture, ouro
 from kvq_jax.models.config import ModelConfig
 
@@ -86,6 +91,7 @@ __all__ = [
     "cache_config_for",
     "layer_policies",
     "resolve_policy",
+    "serving_support",
 ]
 
 _HI = jax.lax.Precision.HIGHEST
@@ -100,16 +106,14 @@ def resolve_policy(policy: str | Policy) -> Policy:
     return POLICIES[policy]
 
 
-def layer_policies(policy: Policy, model) -> tuple[Policy, ...]:
+def layer_policies(policy: Policy, model, num_loops: int | None = None) -> tuple[Policy, ...]:
     """One policy per layer of `model`: `policy` itself, or for a policy with per-layer INTB
     key tables (`Policy.key_tables`) each layer's own, its INTB format registered in the JAX
-    registry. ValueError when the tables are not for this model (its `source` "model") or
-    miss one of its layers."""
-    if policy.heavy is not None:
-        raise ValueError(
-            f"policy {policy.name!r} stores heavy rows (Policy.heavy): the paged cache has no "
-            "heavy-row pages yet; use kvq_jax.pack_heavy / kvq report"
-        )
+    registry. ValueError when `serving_support` refuses the policy at `num_loops` (default:
+    the model's) or the tables are not for this model (its `source` "model") or miss one of
+    its layers."""
+    num_loops = model.config.num_loops if num_loops is None else num_loops
+    serving_support(policy, num_loops=num_loops).check()
     num_layers = model.config.num_layers
     if policy.key_tables is None:
         return (policy,) * num_layers
@@ -119,62 +123,7 @@ def layer_policies(policy: Policy, model) -> tuple[Policy, ...]:
     tables = get_key_tables(policy.key_tables)
     name = model.source.get("model") if isinstance(model.source, dict) else None
     tables.check_fit(policy.name, [name], num_layers)
-    return tuple(
-        policy.for_key_format(register_table(tables.table(layer)), rope_theta=tables.rope_theta)
-        for layer in range(num_layers)
-    )
-
-
-def cache_config_for(
-    policy: Policy, *, num_pages, page_size, num_heads, head_dim, dtype, num_loops, max_seqs
-) -> PagedCacheConfig:
-    """The `PagedCacheConfig` of a quantized policy (ValueError for "bf16" or a group size
-    that does not fit the page)."""
-    if not policy.quantized:
-        raise ValueError(f"policy {policy.name!r} is unquantized: it has no PagedCacheConfig")
-    if policy.heavy is not None:
-        raise ValueError(
-            f"policy {policy.name!r} stores heavy rows (Policy.heavy): the paged cache has no "
-            "heavy-row pages yet; use kvq_jax.pack_heavy / kvq report"
-        )
-    if policy.key_tables is not None:
-        raise ValueError(
-            f"policy {policy.name!r} stores keys with per-layer INTB tables "
-            f"({policy.key_tables}): take one layer's policy (layer_policies) first"
-        )
-    for kind in ("key", "value"):
-        if policy.absolute_loops(kind, num_loops):
-            raise ValueError(
-                f"policy {policy.name!r} stores loops {policy.absolute_loops(kind, num_loops)} "
-                f"of {kind}s absolute; the paged cache stores every later loop as a delta "
-                "against the previous loop's pages (its reconstruction and kernels add them), "
-                "so it has no absolute loops: use encode_loops / decode_loops"
-            )
-    for kind in ("key", "value"):
-        if len(set(policy.loop_formats(kind, num_loops)[1:])) > 1:
-            raise ValueError(
-                f"policy {policy.name!r} stores the later loops of {kind}s in different "
-                f"formats ({policy.loop_formats(kind, num_loops)}); the paged cache holds one "
-                "residual format per kind"
-            )
-    k_base, k_res = policy.loop_formats("key", 2)
-    v_base, v_res = policy.loop_formats("value", 2)
-    return PagedCacheConfig(
-        num_pages=num_pages,
-        page_size=page_size,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        num_loops=num_loops,
-        k_base_format=k_base,
-        k_residual_format=k_res,
-        v_base_format=v_base,
-        v_residual_format=v_res,
-        k_group_size=policy.group_size,
-        v_group_size=policy.group_size,
-        sink=policy.window.sink if policy.window is not None else 0,
-        max_seqs=max_seqs,
-    )
+    return per_layer_policies(policy, tables, range(num_layers), register_table)
 
 
 # -- the unquantized store of the "bf16" policy -------------------------------------------------
@@ -481,7 +430,7 @@ class Engine:
                     max_seqs=max_seqs,
                     **dims,
                 )
-                for layer_policy in layer_policies(self.policy, model)
+                for layer_policy in layer_policies(self.policy, model, config.num_loops)
             )
             self.cache_config = self.cache_configs[0]
             self.caches = tuple(paged_cache.init_cache(c) for c in self.cache_configs)

@@ -177,7 +177,7 @@ def run(args) -> int:
                 raise _Error(f"--{name.replace('_', '-')} must be >= 1")
         try:
             model = load_model(args.model, args.dtype)
-        except (FileNotFoundError, OSError) as e:
+        except (ImportError, OSError) as e:  # MissingPackages: one message, one command
             raise _Error(str(e)) from None
         prompt = _prompt_ids(args, model)
         keep = args.compare is not None  # logits of the base run for the KL

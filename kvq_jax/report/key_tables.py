@@ -10,7 +10,7 @@ their table-derived names when first used.
 from __future__ import annotations
 
 from kvq_jax.core.calibration import get_key_tables
-from kvq_jax.core.policies import Policy
+from kvq_jax.core.policies import Policy, per_layer_policies
 
 __all__ = ["capture_model", "get_key_tables", "layer_policies"]
 
@@ -51,7 +51,6 @@ def layer_policies(policy: Policy, meta: dict, shape) -> list[Policy]:
             f"policy {policy.name!r}: group_size {policy.group_size} differs from its tables' "
             f"{tables.group_size}"
         )
-    out = []
     for layer in layers:
         table = tables.table(layer)
         if (len(table), len(table[0])) != (heads, dim):
@@ -59,6 +58,4 @@ def layer_policies(policy: Policy, meta: dict, shape) -> list[Policy]:
                 f"policy {policy.name!r}: layer {layer}'s table is for "
                 f"{(len(table), len(table[0]))} (heads, dim), the capture has ({heads}, {dim})"
             )
-        heavy = tables.heavy_table(policy.name, layer) if policy.heavy is not None else None
-        out.append(policy.for_key_format(register_table(table), heavy, tables.rope_theta))
-    return out
+    return list(per_layer_policies(policy, tables, layers, register_table))

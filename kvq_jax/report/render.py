@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 
+from kvq_jax.core.policies import serving_support
 from kvq_jax.report.capture import Capture
 from kvq_jax.report.evaluate import PolicyResult
 
@@ -106,14 +107,34 @@ def _cells(r: PolicyResult) -> list[str]:
     ]
 
 
-def format_table(results: list[PolicyResult]) -> str:
-    """One row per policy, fixed width; '-' where a column does not apply."""
-    name_w = max([6, *(len(r.name) for r in results)])
+def not_served(policies, num_loops: int) -> dict[str, str]:
+    """{name: reason} of the policies `serving_support` refuses at `num_loops` loops."""
+    out = {}
+    for policy in policies:
+        support = serving_support(policy, num_loops=num_loops)
+        if not support:
+            out[policy.name] = support.reason
+    return out
+
+
+def format_table(results: list[PolicyResult], not_served: dict[str, str] | None = None) -> str:
+    """One row per policy, fixed width; '-' where a column does not apply; the name of a
+    policy in `not_served` ends in '*'."""
+    marked = not_served or {}
+    names = [r.name + ("*" if r.name in marked else "") for r in results]
+    name_w = max([6, *map(len, names)])
     header = f"{'policy':<{name_w}}" + "".join(f" {h:>{w}}" for h, w in COLUMNS)
     lines = [header, "-" * len(header)]
-    for r in results:
+    for name, r in zip(names, results, strict=True):
         cells = "".join(f" {c:>{w}}" for c, (_, w) in zip(_cells(r), COLUMNS, strict=True))
-        lines.append(f"{r.name:<{name_w}}{cells}")
+        lines.append(f"{name:<{name_w}}{cells}")
+    return "\n".join(lines)
+
+
+def format_not_served(not_served: dict[str, str], num_loops: int) -> str:
+    """The footnote of the '*' rows: each policy's reason (`serving_support`)."""
+    lines = [f"*: not served at {num_loops} loop(s) (kvq_jax.core.policies.serving_support):"]
+    lines += [f"  {reason}" for reason in not_served.values()]
     return "\n".join(lines)
 
 

@@ -66,7 +66,7 @@ def _line_starts(text: str, count: int, skip: int) -> list[int]:
 def _tokenize_from(tokenizer, text: str, offset: int, length: int) -> np.ndarray:
     chars = 8 * length
     while True:
-        ids = tokenizer(text[offset : offset + chars], add_special_tokens=False)["input_ids"]
+        ids = tokenizer.encode(text[offset : offset + chars], add_special_tokens=False)
         if len(ids) > length or offset + chars >= len(text):
             break
         chars *= 2

@@ -212,7 +212,7 @@ def _adaptive_exit_cache():
     return cache, tables
 
 
-@pytest.mark.parametrize("block_pages", [1, 3])
+@pytest.mark.parametrize("block_pages", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_blockwise_xla_honours_adaptive_exits(block_pages):
     cache, tables = _adaptive_exit_cache()
     assert cache.depth is not None and int(jnp.min(cache.depth[tables[0, :3]])) < 2
