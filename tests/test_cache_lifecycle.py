@@ -138,7 +138,7 @@ def test_jax_append_touches_the_pool_only_in_place(loop):
     assert _pool_wide_ops(cache, loop) == []
 
 
-@pytest.mark.xfail(strict=True, reason="a planted defect must be caught")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
 def test_pool_check_catches_float8_planes():
     """Planted defect: planes holding E4M3 fields as float8 (not as uint8 bits)."""
     cache = jpc.init_cache(make_config(num_pages=509))
