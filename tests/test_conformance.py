@@ -61,9 +61,12 @@ def test_vectors_cover_formats_dtypes_and_edge_cases():
         assert (mids == m).any() and (mids == -m).any(), m
 
 
-#: numpy inputs differ from jax inputs only at the entry conversion: every 9th vector (all
-#: formats and dtypes among them) runs with numpy inputs by default, all of them with --run-slow.
-NUMPY_SAMPLE = CASES[::9]
+#: numpy inputs differ from jax inputs only at the entry conversion: every 9th vector and the
+#: first of each (format, dtype) runs with numpy inputs by default, all of them with --run-slow.
+_FIRST = {
+    (c.format if c.bits is None else "intb", c.values.dtype.name): c.name for c in reversed(CASES)
+}
+NUMPY_SAMPLE = [c for i, c in enumerate(CASES) if i % 9 == 0 or c.name in _FIRST.values()]
 
 
 @pytest.mark.parametrize(
