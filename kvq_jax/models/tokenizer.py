@@ -92,8 +92,8 @@ def gguf_tokenizer(fields: dict, where: str) -> Tokenizer:
         )
     tokens = list(fields["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", ())]
-    alphabet = set(_bytes_to_unicode().values())
     spell = _bytes_to_unicode()
+    alphabet = set(spell.values())
     vocab = {
         (t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))): i
         for i, t in enumerate(tokens)
