@@ -91,7 +91,6 @@ __all__ = [
     "cache_config_for",
     "layer_policies",
     "resolve_policy",
-    "serving_support",
 ]
 
 _HI = jax.lax.Precision.HIGHEST
