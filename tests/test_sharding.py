@@ -319,7 +319,7 @@ for arch, loops, policies in (("llama", 1, ("bf16", "int4-g16+win")), ("ouro", 2
             engine = Engine(model, policy, num_pages=16, page_size=16, max_seqs=2,
                             max_pages_per_seq=4, prefill_chunk=8, **kw)
             reqs = engine.generate(prompts, max_new_tokens=5, stop_ids=[], keep_logits=True)
-            leaves = jax.tree.leaves(engine.caches[0])
+            leaves = jax.tree.leaves(engine.stores)
             specs = sorted({str(a.sharding.spec) for a in leaves if hasattr(a.sharding, "spec")})
             runs[name] = ([r.tokens for r in reqs], [np.stack(r.logits) for r in reqs], specs)
         (tu, lu, _), (ts, ls, specs) = runs["unsharded"], runs["sharded"]

@@ -390,9 +390,15 @@ _CLEAR_SLOT = jax.jit(_clear_slot, donate_argnames=("cache",))
 
 
 def clear_slot(cache: PagedKVCache, *, slot) -> PagedKVCache:
-    """Empty sequence slot `slot` (its lengths, staging, sink and exit rows: zero) so that a new
-    sequence can start there; its pages are the allocator's to free. In place."""
+    """Empty sequence slot `slot` (an int, or a sequence of ints: several at once; their
+    lengths, staging, sink and exit rows: zero) so that a new sequence can start there; its
+    pages are the allocator's to free. In place."""
     config = check_cache(cache)
+    if isinstance(slot, (list, tuple)):
+        if not slot:
+            return cache
+        ids = [checks.check_slot(config, s) for s in slot]
+        return _CLEAR_SLOT(cache, jnp.asarray(ids, jnp.int32))
     checks.check_slot(config, slot)
     return _CLEAR_SLOT(cache, jnp.int32(slot))
 

@@ -13,20 +13,24 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = (
-    "Engine",
-    "RawPagedStore",
-    "Request",
-    "cache_config_for",
-    "prefill_attention",
-    "resolve_policy",
-    "sample",
-)
+_EXPORTS = {
+    "Engine": "engine",
+    "Request": "engine",
+    "cache_config_for": "engine",
+    "resolve_policy": "engine",
+    "StepSpec": "runner",
+    "decode_step": "runner",
+    "prefill_attention": "runner",
+    "prefill_step": "runner",
+    "sample": "sampler",
+    "QuantizedStore": "stores",
+    "RawStore": "stores",
+}
 
 __all__ = list(_EXPORTS)
 
 
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(importlib.import_module("kvq_jax.engine.engine"), name)
+        return getattr(importlib.import_module(f"kvq_jax.engine.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'kvq_jax.engine' has no attribute {name!r}")

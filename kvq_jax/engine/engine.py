@@ -60,9 +60,6 @@ until a slot and pages are free, `add_request` admits at once or raises.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,9 +67,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvq_jax.cache import paged_attention, paged_cache
-from kvq_jax.codecs import cache_state
-from kvq_jax.codecs.attention import attend
 from kvq_jax.core.allocator import PageAllocator
 from kvq_jax.core.policies import (
     POLICIES,
@@ -81,19 +75,19 @@ from kvq_jax.core.policies import (
     per_layer_policies,
     serving_support,
 )
-from kvq_jax.models import architecture, ouro
+from kvq_jax.engine.runner import StepSpec, decode_step, prefill_step
+from kvq_jax.engine.sampler import sample
+from kvq_jax.engine.stores import QuantizedStore, RawStore
 from kvq_jax.models.config import ModelConfig
 
 __all__ = [
     "Engine",
-    "RawPagedStore",
     "Request",
     "cache_config_for",
+    "layer_groups",
     "layer_policies",
     "resolve_policy",
 ]
-
-_HI = jax.lax.Precision.HIGHEST
 
 
 def resolve_policy(policy: str | Policy) -> Policy:
@@ -123,184 +117,6 @@ def layer_policies(policy: Policy, model, num_loops: int | None = None) -> tuple
     name = model.source.get("model") if isinstance(model.source, dict) else None
     tables.check_fit(policy.name, [name], num_layers)
     return per_layer_policies(policy, tables, range(num_layers), register_table)
-
-
-# -- the unquantized store of the "bf16" policy -------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RawPagedStore:
-    """Unquantized paged K/V of one layer: k, v [loops, pages, page_size, H, D] (a pytree)."""
-
-    k: Any
-    v: Any
-
-    @classmethod
-    def empty(cls, num_loops, num_pages, page_size, num_heads, head_dim, dtype):
-        shape = (num_loops, num_pages, page_size, num_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-
-jax.tree_util.register_dataclass(RawPagedStore, data_fields=["k", "v"], meta_fields=[])
-
-
-def _raw_append(store: RawPagedStore, k, v, tables, seq_ids, start, loop):
-    """Write k, v [B, n, H, D] at positions start[b] .. + n of slots seq_ids (no page: drop)."""
-    _, num_pages, ps = store.k.shape[:3]
-    n = k.shape[1]
-    pos = start[:, None] + jnp.arange(n)[None]  # [B, n]
-    rows = tables.at[seq_ids].get(mode="fill", fill_value=-1)  # [B, M]
-    page = jnp.take_along_axis(rows, jnp.clip(pos // ps, 0, rows.shape[1] - 1), axis=1)
-    page = jnp.where((page >= 0) & (pos // ps < rows.shape[1]), page, num_pages)
-    row = pos % ps
-    new_k = store.k.at[loop, page, row].set(k.astype(store.k.dtype), mode="drop")
-    new_v = store.v.at[loop, page, row].set(v.astype(store.v.dtype), mode="drop")
-    return RawPagedStore(new_k, new_v)
-
-
-def _raw_read(store: RawPagedStore, tables, seq_ids, loop):
-    """All rows of slots seq_ids: k, v [B, M * page_size, H, D] (rows past a length: junk)."""
-    num_pages = store.k.shape[1]
-    rows = jnp.clip(tables.at[seq_ids].get(mode="fill", fill_value=0), 0, num_pages - 1)
-    b = rows.shape[0]
-    # One gather at (loop, rows): store.k[loop][rows] would first copy the loop's whole plane.
-    k = store.k[loop, rows].reshape(b, -1, *store.k.shape[-2:])
-    v = store.v[loop, rows].reshape(b, -1, *store.v.shape[-2:])
-    return k, v
-
-
-# -- the jitted model steps ---------------------------------------------------------------------
-
-
-def _append(cache, k, v, tables, seq_ids, start, loop, backend):
-    if isinstance(cache, RawPagedStore):
-        return _raw_append(cache, k, v, tables, seq_ids, start, loop)
-    return paged_cache.append(
-        cache, k, v, block_tables=tables, seq_ids=seq_ids, loop=loop, backend=backend
-    )
-
-
-def _context(cache, tables, seq_ids, start, loop, backend):
-    """The sequences' stored tokens [0, start) in loop `loop`: k, v [B, C, H, D]."""
-    if isinstance(cache, RawPagedStore):
-        return _raw_read(cache, tables, seq_ids, loop)
-    return paged_cache.gather_batch(
-        cache, tables, start, loop=loop, seq_ids=seq_ids, backend=backend
-    )
-
-
-def _decode_attention(q, cache, tables, seq_ids, lens, loop, backend):
-    """q [B, Hq, D] over the sequences' first lens[b] stored tokens: float32 [B, Hq, D]."""
-    if isinstance(cache, RawPagedStore):
-        k, v = _raw_read(cache, tables, seq_ids, loop)
-        return attend(q, k, v, lens)
-    return paged_attention.paged_decode_attention(
-        q, cache, tables, lens, loop=loop, seq_ids=seq_ids, backend=backend
-    )
-
-
-def prefill_attention(q, ctx_k, ctx_v, ctx_len, k, v):
-    """Chunk attention: q [B,T,Hq,D] over the context rows ctx_k/ctx_v [B,C,H,D] (the first
-    ctx_len[b] valid) and, causally, the chunk's own k, v [B,T,H,D]. float32 [B,T,Hq,D]."""
-    b, t, hq, d = q.shape
-    h = k.shape[2]
-    c = ctx_k.shape[1]
-    keys = jnp.concatenate([ctx_k.astype(jnp.float32), k.astype(jnp.float32)], axis=1)
-    vals = jnp.concatenate([ctx_v.astype(jnp.float32), v.astype(jnp.float32)], axis=1)
-    qf = q.astype(jnp.float32).reshape(b, t, h, hq // h, d)
-    scores = jnp.einsum("bthgd,bshd->bhgts", qf, keys, precision=_HI)
-    scores = scores * jnp.float32(1.0 / math.sqrt(d))
-    ctx_mask = jnp.broadcast_to((jnp.arange(c)[None] < ctx_len[:, None])[:, None], (b, t, c))
-    own = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
-    mask = jnp.concatenate([ctx_mask, own], axis=-1)  # [B, T, C + T]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgts,bshd->bthgd", probs, vals, precision=_HI)
-    return out.reshape(b, t, hq, d)
-
-
-def _head(params, config, arch, h_last, loop_logits, gates):
-    """After a loop: the final-normed h's logits [B, V] and exit gate [B] (Ouro) are kept."""
-    loop_logits.append(arch.logits(params, h_last, config)[:, 0])
-    if config.arch == "ouro":
-        gates.append(ouro.exit_logit(params, h_last)[:, 0])
-
-
-def _select(config, loop_logits, gates):
-    """(logits [B, V] float32, exit loop [B] int32) from the per-loop logits and gates."""
-    stacked = jnp.stack(loop_logits)  # [N, B, V]
-    n, b = stacked.shape[:2]
-    if config.arch != "ouro":
-        return stacked[-1], jnp.full((b,), n - 1, jnp.int32)
-    probs = ouro.exit_probabilities(jnp.stack(gates, axis=-1))
-    exit_loop = ouro.exit_loops(probs, config.early_exit_threshold)
-    chosen = jnp.take_along_axis(stacked, exit_loop[None, :, None], axis=0)[0]
-    return chosen, exit_loop
-
-
-@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("caches",))
-def _prefill(params, caches, tokens, start, tables, seq_ids, *, config, backend):
-    """tokens [B, T] at positions start[b] .. + T -> (logits of each row's last token [B, V],
-    exit loops [B], caches)."""
-    arch = architecture(config)
-    caches = list(caches)
-    t = tokens.shape[1]
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    h = arch.embed(params, tokens)
-    loop_logits, gates = [], []
-    for loop in range(config.num_loops):
-        for i in range(config.num_layers):
-            layer = arch.layer_params(params, i)
-            q, k, v = arch.attention_inputs(layer, h, positions, config)
-            ctx_k, ctx_v = _context(caches[i], tables, seq_ids, start, loop, backend)
-            caches[i] = _append(caches[i], k, v, tables, seq_ids, start, loop, backend)
-            attn = prefill_attention(q, ctx_k, ctx_v, start, k, v)
-            h = arch.attention_output(layer, h, attn.astype(h.dtype), config)
-        h = arch.final_norm(params, h, config)
-        _head(params, config, arch, h[:, -1:], loop_logits, gates)
-    logits, exit_loop = _select(config, loop_logits, gates)
-    return logits, exit_loop, tuple(caches)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("caches",))
-def _decode(params, caches, tokens, positions, tables, *, config, backend):
-    """One token per slot (all max_seqs slots; tokens, positions [S]) -> (logits [S, V], exit
-    loops [S], caches)."""
-    arch = architecture(config)
-    caches = list(caches)
-    s = tokens.shape[0]
-    seq_ids = jnp.arange(s, dtype=jnp.int32)
-    h = arch.embed(params, tokens[:, None])
-    loop_logits, gates = [], []
-    for loop in range(config.num_loops):
-        for i in range(config.num_layers):
-            layer = arch.layer_params(params, i)
-            q, k, v = arch.attention_inputs(layer, h, positions[:, None], config)
-            caches[i] = _append(caches[i], k, v, tables, seq_ids, positions, loop, backend)
-            attn = _decode_attention(q[:, 0], caches[i], tables, seq_ids, positions + 1, loop,
-                                     backend)  # fmt: skip
-            h = arch.attention_output(layer, h, attn[:, None].astype(h.dtype), config)
-        h = arch.final_norm(params, h, config)
-        _head(params, config, arch, h, loop_logits, gates)
-    logits, exit_loop = _select(config, loop_logits, gates)
-    return logits, exit_loop, tuple(caches)
-
-
-@jax.jit
-def sample(logits, keys, positions, temperature, top_k):
-    """Next tokens [B] int32 of logits [B, V]: greedy where temperature <= 0, else a sample of
-    softmax(logits / temperature) restricted to the top_k largest (top_k <= 0: all), with key
-    fold_in(keys[b], positions[b]) (keys: uint32 [B, 2] raw PRNG keys)."""
-    v = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)
-    ordered = -jnp.sort(-logits, axis=-1)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    masked = jnp.where(logits >= kth, logits, -jnp.inf)
-    scaled = masked / jnp.maximum(temperature, 1e-6)[:, None]
-    step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
-    sampled = jax.vmap(jax.random.categorical)(step_keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
 
 
 # -- requests and the engine -----------------------------------------------------------------
@@ -348,24 +164,24 @@ def _key_data(key, seed) -> np.ndarray:
     return key
 
 
-def _shard(caches, params, mesh, axis: str):
-    """Caches split over their KV heads along mesh axis `axis`, parameters replicated."""
+def _shard(stores, params, mesh, axis: str):
+    """Stores split over their KV heads along mesh axis `axis`, parameters replicated."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-    placed = []
-    for cache in caches:
-        if isinstance(cache, RawPagedStore):  # [loops, pages, page_size, H, D]
-            size = mesh.shape.get(axis)
-            if size is None or cache.k.shape[3] % size:
-                raise ValueError(
-                    f"mesh: axis {axis!r} of size {size} must divide the {cache.k.shape[3]} "
-                    f"KV heads (mesh axes {dict(mesh.shape)})"
-                )
-            spec = NamedSharding(mesh, P(None, None, None, axis))
-            placed.append(jax.device_put(cache, RawPagedStore(spec, spec)))
+    placed = tuple(jax.device_put(store, store.shardings(mesh, axis)) for store in stores)
+    return placed, jax.device_put(params, NamedSharding(mesh, P()))
+
+
+def layer_groups(configs) -> tuple[int, ...]:
+    """Lengths of the runs of equal consecutive per-layer cache configurations."""
+    groups, previous = [], object()
+    for config in configs:
+        if config == previous:
+            groups[-1] += 1
         else:
-            placed.append(jax.device_put(cache, cache_state.head_shardings(cache, mesh, axis)))
-    return tuple(placed), jax.device_put(params, NamedSharding(mesh, P()))
+            groups.append(1)
+        previous = config
+    return tuple(groups)
 
 
 class Engine:
@@ -400,6 +216,7 @@ class Engine:
         backend: str = "auto",
         mesh=None,
         mesh_axis: str = "heads",
+        skip_exited: bool = True,
     ):
         config: ModelConfig = model.config
         if loops is not None:
@@ -417,40 +234,60 @@ class Engine:
         self.page_size, self.max_seqs = page_size, max_seqs
         self.allocator = PageAllocator(num_pages, page_size, max_seqs, max_pages_per_seq)
         dims = dict(num_heads=config.num_kv_heads, head_dim=config.head_dim)
+        if not isinstance(skip_exited, bool):
+            raise ValueError(f"skip_exited must be a bool, got {skip_exited!r}")
+        #: decode skips the loops after every active row has exited (Ouro, threshold < 1)
+        self.skip_exited = (
+            skip_exited
+            and config.arch == "ouro"
+            and config.early_exit_threshold < 1
+            and config.num_loops > 1
+        )
         if self.policy.quantized:
             #: each layer's cache configuration (they differ only in per-layer key tables)
             self.cache_configs = tuple(
-                cache_config_for(
-                    layer_policy,
-                    num_pages=num_pages,
-                    page_size=page_size,
-                    dtype=self.dtype,
-                    num_loops=config.num_loops,
-                    max_seqs=max_seqs,
-                    **dims,
+                dataclasses.replace(
+                    cache_config_for(
+                        layer_policy,
+                        num_pages=num_pages,
+                        page_size=page_size,
+                        dtype=self.dtype,
+                        num_loops=config.num_loops,
+                        max_seqs=max_seqs,
+                        **dims,
+                    ),
+                    adaptive_exit=self.skip_exited,
                 )
                 for layer_policy in layer_policies(self.policy, model, config.num_loops)
             )
             self.cache_config = self.cache_configs[0]
-            self.caches = tuple(paged_cache.init_cache(c) for c in self.cache_configs)
+            groups = layer_groups(self.cache_configs)
+            firsts = np.cumsum((0, *groups[:-1]))
+            self.stores = tuple(
+                QuantizedStore.empty(self.cache_configs[f], g)
+                for f, g in zip(firsts, groups, strict=True)
+            )
         else:
             self.cache_config = None
             self.cache_configs = None
-            self.caches = tuple(
-                RawPagedStore.empty(
-                    config.num_loops, num_pages, page_size, *dims.values(), self.dtype
-                )
-                for _ in range(config.num_layers)
-            )
+            groups = (config.num_layers,)
+            shape = (config.num_loops, num_pages, page_size, *dims.values())
+            self.stores = (RawStore.empty(*shape, self.dtype, config.num_layers),)
+        #: the static description of the jitted steps (`kvq_jax.engine.runner.StepSpec`)
+        self.spec = StepSpec(
+            config=config, groups=groups, num_pages=num_pages, max_seqs=max_seqs,
+            backend=backend, skip_exited=self.skip_exited,
+        )  # fmt: skip
         if mesh is not None:
-            self.caches, self.params = _shard(self.caches, self.params, mesh, mesh_axis)
+            self.stores, self.params = _shard(self.stores, self.params, mesh, mesh_axis)
         eos = config.eos_token_id
         self.default_stop_ids = frozenset(
             () if eos is None else (eos if isinstance(eos, tuple) else (eos,))
         )
         self.running: dict[int, Request] = {}  # slot -> request
         self.waiting: list[Request] = []
-        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
+        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
+                      "decode_steps": 0, "decode_loops": 0}  # fmt: skip
 
     # -- sizes ----------------------------------------------------------------------------------
 
@@ -461,15 +298,19 @@ class Engine:
     def kv_bytes_per_token(self) -> float:
         """Bytes of stored K/V per token over every layer and loop (the pages: packed base and
         residual planes, or the raw store), excluding the per-sequence raw rows."""
-        per_layer = 0
-        for store in self.caches[:1]:
-            if isinstance(store, RawPagedStore):
-                arrays = [store.k, store.v]
-            else:
-                arrays = jax.tree.leaves((store.k_base, store.v_base, store.k_delta, store.v_delta))
-            per_layer = sum(a.size * a.dtype.itemsize for a in arrays)
         pool_tokens = self.allocator.num_pages * self.page_size
-        return per_layer * self.config.num_layers / pool_tokens
+        return sum(store.page_bytes for store in self.stores) / pool_tokens
+
+    def layer_cache(self, layer: int):
+        """A copy of decoder layer `layer`'s store: a `PagedKVCache` of the allocator's pages
+        and slots (quantized policies) or a `RawStore` (k, v [loops, pages, page_size, H, D])."""
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer must be in [0, {self.config.num_layers}), got {layer!r}")
+        for count, store in zip(self.spec.groups, self.stores, strict=True):
+            if layer < count:
+                return store.layer(layer, self.allocator.num_pages, self.max_seqs)
+            layer -= count
+        raise AssertionError("unreachable")
 
     def bf16_bytes_per_token(self) -> int:
         """Bytes per token of the same K/V in bfloat16 (2 bytes x K, V x loops x layers x H x D)."""
@@ -608,8 +449,10 @@ class Engine:
         slot = self.allocator.add_sequence(len(request.prompt) + request.max_new_tokens)
         request.slot = slot
         try:
-            if self.cache_config is not None:
-                self.caches = tuple(paged_cache.clear_slot(c, slot=slot) for c in self.caches)
+            self.stores = tuple(
+                store.clear_slots([j * self.max_seqs + slot for j in range(count)])
+                for count, store in zip(self.spec.groups, self.stores, strict=True)
+            )
             logits, exit_loop = self.prefill(request)
         except Exception:
             self.allocator.free(slot)
@@ -635,9 +478,9 @@ class Engine:
                 self.prefill_chunk if rest >= self.prefill_chunk else 1 << (rest.bit_length() - 1)
             )
             tokens = jnp.asarray(prompt[None, start : start + size])
-            logits, exit_loop, self.caches = _prefill(
-                self.params, self.caches, tokens, jnp.asarray([start], jnp.int32), tables,
-                seq_ids, config=self.config, backend=self.backend,
+            logits, exit_loop, self.stores = prefill_step(
+                self.params, self.stores, tokens, jnp.asarray([start], jnp.int32), tables,
+                seq_ids, spec=self.spec,
             )  # fmt: skip
             start += size
         logits.block_until_ready()
@@ -655,13 +498,13 @@ class Engine:
         s = self.max_seqs
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
+        active = np.zeros(s, bool)
         for slot, r in self.running.items():
-            tokens[slot], positions[slot] = r.tokens[-1], r.position
+            tokens[slot], positions[slot], active[slot] = r.tokens[-1], r.position, True
         t0 = time.perf_counter()
-        logits, exit_loops, self.caches = _decode(
-            self.params, self.caches, jnp.asarray(tokens), jnp.asarray(positions),
-            jnp.asarray(self.allocator.block_tables()), config=self.config,
-            backend=self.backend,
+        logits, exit_loops, loops_run, self.stores = decode_step(
+            self.params, self.stores, jnp.asarray(tokens), jnp.asarray(positions),
+            jnp.asarray(self.allocator.block_tables()), jnp.asarray(active), spec=self.spec,
         )  # fmt: skip
         finished = []
         slots = sorted(self.running)
@@ -671,6 +514,8 @@ class Engine:
         next_tokens = self._sample_rows([self.running[i] for i in slots], logits[idx])
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["decode_tokens"] += len(slots)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_loops"] += int(loops_run)
         exit_loops = np.asarray(exit_loops)
         logits_host = (
             np.asarray(logits) if any(self.running[i].keep_logits for i in slots) else None

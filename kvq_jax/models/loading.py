@@ -399,13 +399,18 @@ def smollm2_path() -> pathlib.Path:
 
 
 def load_model(name_or_path: str, dtype="bfloat16", *, tokenizer: bool = True) -> Model:
-    """Load "smollm2" (the packaged Q4_1 GGUF, dequantized), a HF directory or a .gguf file.
+    """Load "smollm2" (the packaged Q4_1 GGUF, dequantized), a HF directory, a .gguf file, or
+    "random:NAME" (`kvq_jax.models.random`: seeded random weights of a real shape).
 
     tokenizer: also load the checkpoint's tokenizer (`Model.tokenizer`; None when the
     checkpoint has none). Raises MissingPackages (an ImportError) naming every missing package
     with the command that installs them, FileNotFoundError for anything else.
     """
     spec = str(name_or_path)
+    if spec.startswith("random:"):  # seeded random weights of a real shape, no tokenizer
+        from kvq_jax.models.random import random_model
+
+        return random_model(spec.removeprefix("random:"), dtype)
     check_requirements(spec, tokenizer=tokenizer)
     path = smollm2_path() if spec == "smollm2" else pathlib.Path(spec)
     if path.is_file() and path.suffix == ".gguf":

@@ -1,0 +1,201 @@
+"""The engine's KV stores: one store per group of decoder layers, the layers folded into it.
+
+A *layer group* is a run of consecutive layers whose caches share one static configuration
+(every layer, unless a policy gives each layer its own INTB key table). Its G layers live in
+one store whose pool is G x the allocator's: layer j of the group owns physical pages
+[j * P, (j + 1) * P) and sequence slots [j * S, (j + 1) * S) (P pages, S slots). The
+allocator's block tables address layer 0; `fold_tables` makes the G copies, and
+`layer_ids(seq_ids, j, S)` the slots, so the cache operations (`append`, reads, decode
+attention) run unchanged on layer j with j a *traced* index: the layer loop is a `lax.scan`
+(compiled once, not once per layer), and every update writes only the rows it changes in the
+one stacked buffer (in place under donation, as a single layer's cache).
+
+Both stores implement the same three operations (no `isinstance` at the call sites):
+
+    store.append(k, v, tables, seq_ids, start, loop=..., backend=..., exited=None) -> store
+    store.context(tables, seq_ids, start, loop=..., backend=...) -> (k, v) [B, C, H, D]
+    store.attend(q, tables, seq_ids, lens, loop=..., backend=...) -> float32 [B, Hq, D]
+
+with k, v [B, n, H, D] at positions start[b] .. + n, q [B, Hq, D], tables the folded block
+tables and seq_ids the folded slots. `QuantizedStore` wraps a `PagedKVCache`
+(`kvq_jax.cache.paged_cache`); `RawStore` holds unquantized K/V ("bf16" policy) in the
+model's compute dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kvq_jax.cache import paged_attention, paged_cache
+from kvq_jax.codecs import cache_state
+from kvq_jax.codecs.attention import attend
+from kvq_jax.codecs.cache_state import PagedKVCache
+
+__all__ = ["QuantizedStore", "RawStore", "fold_tables", "layer_ids"]
+
+
+def fold_tables(tables, num_layers: int, num_pages: int):
+    """Block tables int32 [S, M] of layer 0 -> [num_layers * S, M]: row j * S + s is row s
+    with every page id p >= 0 moved to j * num_pages + p (-1 stays -1: no page)."""
+    tables = jnp.asarray(tables, jnp.int32)
+    offsets = (jnp.arange(num_layers, dtype=jnp.int32) * num_pages)[:, None, None]
+    folded = jnp.where(tables[None] >= 0, tables[None] + offsets, -1)
+    return folded.reshape(num_layers * tables.shape[0], tables.shape[1])
+
+
+def layer_ids(seq_ids, layer, max_seqs: int):
+    """Slots int32 [B] of layer `layer` (traced int) of a group: seq_ids + layer * max_seqs."""
+    return jnp.asarray(seq_ids, jnp.int32) + jnp.asarray(layer, jnp.int32) * max_seqs
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedStore:
+    """A quantized paged store of G layers: `cache` a PagedKVCache of G * P pages and G * S
+    slots (`fold_tables`)."""
+
+    cache: PagedKVCache
+
+    @classmethod
+    def empty(cls, config, num_layers: int):
+        """Zero store of `num_layers` layers, each with PagedCacheConfig `config`."""
+        folded = dataclasses.replace(
+            config,
+            num_pages=config.num_pages * num_layers,
+            max_seqs=config.max_seqs * num_layers,
+        )
+        return cls(paged_cache.init_cache(folded))
+
+    def append(self, k, v, tables, seq_ids, start, *, loop, backend, exited=None):
+        del start  # the cache knows its lengths (seq_lens[loop])
+        cache = paged_cache.append(
+            self.cache, k, v, block_tables=tables, seq_ids=seq_ids, loop=loop, exited=exited,
+            backend=backend,
+        )  # fmt: skip
+        return QuantizedStore(cache)
+
+    def context(self, tables, seq_ids, start, *, loop, backend):
+        return paged_cache.gather_batch(
+            self.cache, tables, start, loop=loop, seq_ids=seq_ids, backend=backend
+        )
+
+    def attend(self, q, tables, seq_ids, lens, *, loop, backend):
+        return paged_attention.paged_decode_attention(
+            q, self.cache, tables, lens, loop=loop, seq_ids=seq_ids, backend=backend
+        )
+
+    def clear_slots(self, slots):
+        """Empty the folded slots `slots` (ints) for a new sequence (`paged_cache.clear_slot`)."""
+        return QuantizedStore(paged_cache.clear_slot(self.cache, slot=list(slots)))
+
+    def layer(self, j: int, num_pages: int, max_seqs: int) -> PagedKVCache:
+        """A copy of layer j's cache as a standalone PagedKVCache (P pages, S slots)."""
+        cache = self.cache
+        config = dataclasses.replace(cache.config, num_pages=num_pages, max_seqs=max_seqs)
+
+        def pages(a, axis):
+            return lax.slice_in_dim(a, j * num_pages, (j + 1) * num_pages, axis=axis)
+
+        def slots(a):
+            return lax.slice_in_dim(a, j * max_seqs, (j + 1) * max_seqs, axis=1)
+
+        updates = {}
+        for plane in ("k_base", "v_base", "k_delta", "v_delta"):
+            packed = getattr(cache, plane)
+            if packed is not None:
+                axis = 0 if plane.endswith("base") else 1
+                fields = {f: pages(a, axis) for f, a in packed.arrays.items()}
+                updates[plane] = dataclasses.replace(packed, **fields)
+        if cache.depth is not None:
+            updates["depth"] = pages(cache.depth, 0)
+        for name, a in cache.slot_arrays():
+            updates[name] = slots(a)
+        return dataclasses.replace(cache, **updates, config=config)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of the packed pages (base and residual planes) of every layer."""
+        leaves = jax.tree.leaves((self.cache.k_base, self.cache.v_base,
+                                  self.cache.k_delta, self.cache.v_delta))  # fmt: skip
+        return sum(a.size * a.dtype.itemsize for a in leaves)
+
+    def shardings(self, mesh, axis: str):
+        return QuantizedStore(cache_state.head_shardings(self.cache, mesh, axis))
+
+
+@dataclasses.dataclass(frozen=True)
+class RawStore:
+    """Unquantized paged K/V of G layers: k, v [loops, G * P, page_size, H, D]."""
+
+    k: Any
+    v: Any
+
+    @classmethod
+    def empty(cls, num_loops, num_pages, page_size, num_heads, head_dim, dtype, num_layers=1):
+        shape = (num_loops, num_pages * num_layers, page_size, num_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def append(self, k, v, tables, seq_ids, start, *, loop, backend, exited=None):
+        """Write k, v [B, n, H, D] at positions start[b] .. + n (no page: dropped)."""
+        del backend, exited  # one layout; an exited token's k, v are given as they are
+        _, num_pages, ps = self.k.shape[:3]
+        n = k.shape[1]
+        pos = start[:, None] + jnp.arange(n)[None]  # [B, n]
+        rows = tables.at[seq_ids].get(mode="fill", fill_value=-1)  # [B, M]
+        page = jnp.take_along_axis(rows, jnp.clip(pos // ps, 0, rows.shape[1] - 1), axis=1)
+        page = jnp.where((page >= 0) & (pos // ps < rows.shape[1]), page, num_pages)
+        row = pos % ps
+        new_k = self.k.at[loop, page, row].set(k.astype(self.k.dtype), mode="drop")
+        new_v = self.v.at[loop, page, row].set(v.astype(self.v.dtype), mode="drop")
+        return RawStore(new_k, new_v)
+
+    def context(self, tables, seq_ids, start, *, loop, backend):
+        """All rows of slots seq_ids: k, v [B, M * page_size, H, D] (rows >= start: junk)."""
+        del start, backend
+        num_pages = self.k.shape[1]
+        rows = jnp.clip(tables.at[seq_ids].get(mode="fill", fill_value=0), 0, num_pages - 1)
+        b = rows.shape[0]
+        # One gather at (loop, rows): self.k[loop][rows] would first copy the loop's plane.
+        k = self.k[loop, rows].reshape(b, -1, *self.k.shape[-2:])
+        v = self.v[loop, rows].reshape(b, -1, *self.v.shape[-2:])
+        return k, v
+
+    def attend(self, q, tables, seq_ids, lens, *, loop, backend):
+        k, v = self.context(tables, seq_ids, lens, loop=loop, backend=backend)
+        return attend(q, k, v, lens)
+
+    def clear_slots(self, slots):
+        del slots  # no per-slot state: a slot's rows are its pages
+        return self
+
+    def layer(self, j: int, num_pages: int, max_seqs: int) -> RawStore:
+        """A copy of layer j's K/V: k, v [loops, P, page_size, H, D]."""
+        del max_seqs
+        return RawStore(*(lax.slice_in_dim(a, j * num_pages, (j + 1) * num_pages, axis=1)
+                          for a in (self.k, self.v)))  # fmt: skip
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in (self.k, self.v))
+
+    def shardings(self, mesh, axis: str):
+        heads = self.k.shape[3]
+        size = mesh.shape.get(axis)
+        if size is None or heads % size:
+            raise ValueError(
+                f"mesh: axis {axis!r} of size {size} must divide the {heads} KV heads "
+                f"(mesh axes {dict(mesh.shape)})"
+            )
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        spec = NamedSharding(mesh, P(None, None, None, axis))
+        return RawStore(spec, spec)
+
+
+jax.tree_util.register_dataclass(QuantizedStore, data_fields=["cache"], meta_fields=[])
+jax.tree_util.register_dataclass(RawStore, data_fields=["k", "v"], meta_fields=[])

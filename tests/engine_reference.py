@@ -1,0 +1,154 @@
+"""An independent reference of the engine's decode: token by token, eager, page by page.
+
+`reference_decode` feeds a model one token at a time (the prompt, then its own greedy or the
+given tokens) and keeps, per layer and loop, the raw K/V rows the model produced. What a
+token attends in loop l is rebuilt from them with the public codec functions only: each
+complete page of loop 0 is `unpack_kv(pack_kv(page))`, of loop l > 0
+`decode_residual(encode_residual(page, recon_{l-1}), recon_{l-1})` (the cache config's
+formats and groups, `PagedCacheConfig.pack_args`); the partial page and the first `sink`
+rows are raw. Attention is float64 NumPy. No code is shared with the engine's stores, cache
+ops or kernels: only the model's layer pieces (`kvq_jax.models`).
+
+Exits that skip loops (`skip=True`, Ouro): a token that exits after loop e keeps its hidden
+state, and in every later loop each layer's K/V rows of the token are its loop-e rows; a
+complete page reconstructs such a row as loop l - 1 does (its delta is not applied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax.codecs.api import pack_kv, unpack_kv
+from kvq_jax.codecs.residual import decode_residual, encode_residual
+from kvq_jax.models import architecture, ouro
+
+
+def _attend(q, k, v) -> np.ndarray:
+    """q [Hq, D] over k, v [T, H, D], float64 softmax (GQA) -> float32 [Hq, D]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    hq, d = q.shape
+    g = hq // k.shape[1]
+    kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)  # [T, Hq, D]
+    s = np.einsum("hd,thd->ht", q, kk) / np.sqrt(d)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("ht,thd->hd", p, vv).astype(np.float32)
+
+
+class _Plane:
+    """Raw rows and reconstructed complete pages of one (layer, loop, K or V)."""
+
+    def __init__(self):
+        self.raw, self.exited, self.pages = [], [], []
+
+
+def _reconstruct(config, kind, loop, plane, below, page):
+    """Reconstruct complete page `page` of `plane` (loop `loop`; `below` the loop l - 1 plane)."""
+    ps = config.page_size
+    rows = np.stack(plane.raw[page * ps : (page + 1) * ps])
+    if loop == 0:
+        return np.asarray(unpack_kv(pack_kv(jnp.asarray(rows), **config.pack_args(kind, "base"))))
+    prev = below.pages[page]
+    exited = np.asarray(plane.exited[page * ps : (page + 1) * ps])[:, None, None]
+    current = np.where(exited, prev, rows)  # an exited row's delta is zero ...
+    args = config.pack_args(kind, "residual")
+    res = encode_residual(jnp.asarray(current), jnp.asarray(prev), **args)
+    recon = np.asarray(decode_residual(res, jnp.asarray(prev)))
+    return np.where(exited, prev, recon)  # ... and not applied
+
+
+def _rows(config, plane, length, stored):
+    """The rows [length, H, D] a token attends: the pages complete within the first `stored`
+    rows reconstructed, the rest raw, the first `sink` rows raw (a copy)."""
+    raw = np.stack(plane.raw[:length])
+    if config is None:
+        return raw.copy()
+    ps = config.page_size
+    out = raw.copy()
+    for p in range(stored // ps):
+        out[p * ps : (p + 1) * ps] = plane.pages[p]
+    out[: config.sink] = raw[: config.sink]
+    return out
+
+
+def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, skip=False,
+                     forced=None):  # fmt: skip
+    """Greedy decode of `num_new` tokens after prompt `tokens` (or feed `forced`, num_new ids).
+
+    cache_config: the engine's `PagedCacheConfig` of a layer (None: the raw bf16 store);
+    loops: the loop count (None: the config's). Returns (tokens [num_new], logits float32
+    [num_new, V], exit loops [num_new]).
+    """
+    config = model.config if loops is None else dataclasses.replace(model.config, num_loops=loops)
+    arch = architecture(config)
+    params = model.params
+    n_loops, n_layers = config.num_loops, config.num_layers
+    planes = {(i, j, kind): _Plane() for i in range(n_layers) for j in range(n_loops)
+              for kind in ("key", "value")}  # fmt: skip
+    ouro_exit = config.arch == "ouro"
+    threshold = config.early_exit_threshold
+    seq = list(tokens)
+    out_tokens, out_logits, out_exits = [], [], []
+    pos = 0
+    while len(out_tokens) < num_new:
+        token = seq[pos]
+        h = arch.embed(params, jnp.asarray([[token]]))
+        heads, exited, saved, exit_loop = [], False, {}, n_loops - 1
+        prefill = pos < len(tokens)  # the prompt runs every loop (no skipping)
+        for loop in range(n_loops):
+            for i in range(n_layers):
+                layer = arch.layer_params(params, i)
+                q, k, v = arch.attention_inputs(layer, h, jnp.asarray([[pos]]), config)
+                if exited:
+                    k, v = saved[i]
+                saved[i] = (k, v)
+                for kind, x in (("key", k), ("value", v)):
+                    plane = planes[(i, loop, kind)]
+                    plane.raw.append(np.asarray(x)[0, 0])
+                    plane.exited.append(exited)
+                    if cache_config is not None and (pos + 1) % cache_config.page_size == 0:
+                        page = pos // cache_config.page_size
+                        below = planes[(i, loop - 1, kind)] if loop else None
+                        plane.pages.append(
+                            _reconstruct(cache_config, kind, loop, plane, below, page)
+                        )
+                # decode reads the store after the append (the token's page may have just
+                # been quantized); prefill reads it before and adds the token's own row raw
+                stored = pos if prefill else pos + 1
+                keys = _rows(cache_config, planes[(i, loop, "key")], pos + 1, stored)
+                vals = _rows(cache_config, planes[(i, loop, "value")], pos + 1, stored)
+                attn = _attend(np.asarray(q)[0, 0], keys, vals)
+                attn = jnp.asarray(attn)[None, None].astype(h.dtype)
+                new_h = arch.attention_output(layer, h, attn, config)
+                h = h if exited else new_h
+            if not exited:
+                h = arch.final_norm(params, h, config)
+            if exited:
+                continue
+            if ouro_exit:
+                heads.append((np.asarray(ouro.logits(params, h, config))[0, 0],
+                              float(np.asarray(ouro.exit_logit(params, h))[0, 0])))  # fmt: skip
+                if skip and not prefill and loop < n_loops - 1:
+                    gates = jnp.asarray([g for _, g in heads] + [0.0] * (n_loops - len(heads)))
+                    probs = np.asarray(ouro.exit_probabilities(gates))
+                    if np.cumsum(probs)[loop] >= threshold:
+                        exited, exit_loop = True, loop
+        if ouro_exit:
+            if not skip or prefill:
+                gates = jnp.asarray([g for _, g in heads])
+                exit_loop = int(ouro.exit_loops(ouro.exit_probabilities(gates), threshold))
+            logits = heads[exit_loop][0]
+        else:
+            logits = np.asarray(arch.logits(params, h, config))[0, 0]
+        pos += 1
+        if pos >= len(tokens):  # the logits predict a new token
+            nxt = int(np.argmax(logits)) if forced is None else int(forced[len(out_tokens)])
+            out_tokens.append(nxt)
+            out_logits.append(np.asarray(logits, np.float32))
+            out_exits.append(exit_loop)
+            seq.append(nxt)
+    reference_decode.planes = planes  # for debugging: the last run's planes
+    return out_tokens, np.stack(out_logits), out_exits
