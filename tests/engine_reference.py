@@ -75,12 +75,16 @@ def _rows(config, plane, length, stored):
 
 
 def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, skip=False,
-                     forced=None):  # fmt: skip
+                     forced=None, loop_kv="all"):  # fmt: skip
     """Greedy decode of `num_new` tokens after prompt `tokens` (or feed `forced`, num_new ids).
 
     cache_config: the engine's `PagedCacheConfig` of a layer (None: the raw bf16 store);
-    loops: the loop count (None: the config's). Returns (tokens [num_new], logits float32
-    [num_new, V], exit loops [num_new]).
+    loops: the loop count (None: the config's); loop_kv: "all", or "last" / "mean" (the
+    prompt attends per loop, as its scratch holds it; a decode token at loop l attends to
+    the earlier tokens' shared rows, stored as a one-plane cache, and to its own loop-l row;
+    each token's shared row, its last loop's K/V or the float32 mean over its loops, is
+    stored after its last loop). Returns (tokens [num_new], logits float32 [num_new, V],
+    exit loops [num_new]).
     """
     config = model.config if loops is None else dataclasses.replace(model.config, num_loops=loops)
     arch = architecture(config)
@@ -88,6 +92,11 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
     n_loops, n_layers = config.num_loops, config.num_layers
     planes = {(i, j, kind): _Plane() for i in range(n_layers) for j in range(n_loops)
               for kind in ("key", "value")}  # fmt: skip
+    shared = loop_kv != "all" and n_loops > 1
+    shared_planes = {(i, kind): _Plane() for i in range(n_layers) for kind in ("key", "value")}
+    shared_config, loop_config = cache_config, cache_config
+    if shared and cache_config is not None:  # the prompt's scratch keeps every loop
+        loop_config = dataclasses.replace(cache_config, num_loops=n_loops)
     ouro_exit = config.arch == "ouro"
     threshold = config.early_exit_threshold
     seq = list(tokens)
@@ -98,6 +107,7 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
         h = arch.embed(params, jnp.asarray([[token]]))
         heads, exited, saved, exit_loop = [], False, {}, n_loops - 1
         prefill = pos < len(tokens)  # the prompt runs every loop (no skipping)
+        history = {i: [] for i in range(n_layers)}  # per layer: (k, v) of each loop
         for loop in range(n_loops):
             for i in range(n_layers):
                 layer = arch.layer_params(params, i)
@@ -105,27 +115,54 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
                 if exited:
                     k, v = saved[i]
                 saved[i] = (k, v)
+                history[i].append((np.asarray(k)[0, 0], np.asarray(v)[0, 0]))
+                if shared and not prefill:  # the shared rows of the earlier tokens + its own
+                    rows = [np.concatenate([_rows(shared_config, shared_planes[(i, kind)],
+                                                  pos, pos), np.asarray(x)[0]])
+                            for kind, x in (("key", k), ("value", v))]  # fmt: skip
+                    attn = _attend(np.asarray(q)[0, 0], *rows)
+                    attn = jnp.asarray(attn)[None, None].astype(h.dtype)
+                    new_h = arch.attention_output(layer, h, attn, config)
+                    h = h if exited else new_h
+                    continue
                 for kind, x in (("key", k), ("value", v)):
                     plane = planes[(i, loop, kind)]
                     plane.raw.append(np.asarray(x)[0, 0])
                     plane.exited.append(exited)
-                    if cache_config is not None and (pos + 1) % cache_config.page_size == 0:
-                        page = pos // cache_config.page_size
+                    if loop_config is not None and (pos + 1) % loop_config.page_size == 0:
+                        page = pos // loop_config.page_size
                         below = planes[(i, loop - 1, kind)] if loop else None
                         plane.pages.append(
-                            _reconstruct(cache_config, kind, loop, plane, below, page)
+                            _reconstruct(loop_config, kind, loop, plane, below, page)
                         )
                 # decode reads the store after the append (the token's page may have just
                 # been quantized); prefill reads it before and adds the token's own row raw
                 stored = pos if prefill else pos + 1
-                keys = _rows(cache_config, planes[(i, loop, "key")], pos + 1, stored)
-                vals = _rows(cache_config, planes[(i, loop, "value")], pos + 1, stored)
+                keys = _rows(loop_config, planes[(i, loop, "key")], pos + 1, stored)
+                vals = _rows(loop_config, planes[(i, loop, "value")], pos + 1, stored)
                 attn = _attend(np.asarray(q)[0, 0], keys, vals)
                 attn = jnp.asarray(attn)[None, None].astype(h.dtype)
                 new_h = arch.attention_output(layer, h, attn, config)
                 h = h if exited else new_h
             if not exited:
                 h = arch.final_norm(params, h, config)
+            if shared and loop == n_loops - 1:  # the token's shared rows, after its last loop
+                for i in range(n_layers):
+                    for c, kind in enumerate(("key", "value")):
+                        xs = [kv[c] for kv in history[i]]
+                        row = (
+                            xs[-1]
+                            if loop_kv == "last"
+                            else (np.mean(np.stack(xs).astype(np.float32), 0).astype(xs[0].dtype))
+                        )
+                        plane = shared_planes[(i, kind)]
+                        plane.raw.append(row)
+                        plane.exited.append(False)
+                        if shared_config is not None and (pos + 1) % shared_config.page_size == 0:
+                            page = pos // shared_config.page_size
+                            plane.pages.append(
+                                _reconstruct(shared_config, kind, 0, plane, None, page)
+                            )
             if exited:
                 continue
             if ouro_exit:

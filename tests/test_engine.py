@@ -278,7 +278,7 @@ def _against_reference(model, policy, *, prompt_len=20, page_size=16, loops=None
     _, logits, exits = reference_decode(
         model, prompt, 17, cache_config=engine.cache_config, loops=loops,
         skip=engine.skip_exited if reference_skip is None else reference_skip,
-        forced=request.tokens,
+        forced=request.tokens, loop_kv=engine.loop_kv,
     )  # fmt: skip
     assert np.abs(np.stack(request.logits) - logits).max() < REFERENCE_TOL
     assert request.tokens == [int(t) for t in logits.argmax(-1)]
@@ -342,6 +342,60 @@ def test_skipping_reference_catches_an_engine_that_runs_every_loop():
     differs from the skipping reference."""
     with pytest.raises(AssertionError):
         _against_reference(_gated_ouro(), "bf16", skip_exited=False, reference_skip=True)
+
+
+@pytest.mark.parametrize(
+    "policy,loop_kv",
+    [("bf16", "last"), ("bf16", "mean"), ("int4-g16+win", "last"), ("int4-g16+win", "mean")],
+)
+def test_loop_kv_sharing_matches_the_reference(policy, loop_kv):
+    """3-loop Ouro with one shared K/V plane per layer: the prompt attends per loop, a decode
+    token's loop l attends to the earlier tokens' shared rows (last loop, or the mean over
+    loops, stored in the policy's format) and to its own loop-l K/V."""
+    model = tiny_model("ouro", seed=3, loops=3)
+    engine, _ = _against_reference(model, policy, loop_kv=loop_kv)
+    assert engine.stored_loops == 1 and engine.spec.loop_kv == loop_kv
+
+
+def test_loop_kv_sharing_with_exits_that_skip_loops():
+    engine, _ = _against_reference(_gated_ouro(), "int4-g16", loop_kv="mean")
+    assert engine.stats["decode_loops"] < 3 * engine.stats["decode_steps"]
+    assert not engine.cache_config.adaptive_exit  # one plane: no per-loop exit record
+
+
+def test_loop_kv_reference_catches_a_planted_defect(monkeypatch):
+    """Shared decode attention that drops the token's own K/V (the log-sum-exp merge)."""
+    from kvq_jax.engine import runner
+
+    jax.clear_caches()
+    monkeypatch.setattr(runner, "merge_attention", lambda out, lse, q, k, v: out)
+    try:
+        with pytest.raises(AssertionError):
+            _against_reference(tiny_model("ouro", seed=3, loops=3), "bf16", loop_kv="last")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
+def test_loop_kv_sharing_keeps_one_plane_and_frees_the_prompts_planes():
+    """Chunked prefill (3 and 4 chunks) keeps the prompt's per-loop planes in the scratch pool,
+    which is empty again after the prefill; the pool holds 1 plane per layer: 1/3 of the
+    bytes of loop_kv="all" at 3 loops."""
+    model = tiny_model("ouro", seed=3, loops=3)
+    kw = dict(num_pages=8, page_size=16, max_seqs=2, max_pages_per_seq=4, prefill_chunk=8)
+    every = Engine(model, "int4-g16", **kw)
+    engine = Engine(model, "int4-g16", loop_kv="mean", **kw)
+    assert engine.kv_bytes_per_token() == pytest.approx(every.kv_bytes_per_token() / 3)
+    scratch = engine.prefill_allocator
+    free = scratch.num_free_pages
+    a = engine.submit(prompt_of(24, seed=4), max_new_tokens=8)
+    b = engine.submit(prompt_of(32, seed=5), max_new_tokens=6)
+    while engine.waiting or engine.running:
+        engine.step()
+        assert scratch.num_free_pages == free and not scratch.live_slots
+    assert a.done and b.done and len(a.tokens) == 8 and len(b.tokens) == 6
+    assert engine.allocator.num_free_pages == 8 and scratch.num_free_pages == free
+    assert engine.scratch_bytes() > 0 and every.scratch_bytes() == 0
 
 
 def test_exits_in_a_batch_equal_each_alone():

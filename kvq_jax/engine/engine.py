@@ -75,7 +75,7 @@ from kvq_jax.core.policies import (
     per_layer_policies,
     serving_support,
 )
-from kvq_jax.engine.runner import StepSpec, decode_step, prefill_step
+from kvq_jax.engine.runner import LOOP_KV, StepSpec, decode_step, prefill_step
 from kvq_jax.engine.sampler import sample
 from kvq_jax.engine.stores import QuantizedStore, RawStore
 from kvq_jax.models.config import ModelConfig
@@ -217,6 +217,7 @@ class Engine:
         mesh=None,
         mesh_axis: str = "heads",
         skip_exited: bool = True,
+        loop_kv: str = "all",
     ):
         config: ModelConfig = model.config
         if loops is not None:
@@ -234,6 +235,13 @@ class Engine:
         self.page_size, self.max_seqs = page_size, max_seqs
         self.allocator = PageAllocator(num_pages, page_size, max_seqs, max_pages_per_seq)
         dims = dict(num_heads=config.num_kv_heads, head_dim=config.head_dim)
+        if loop_kv not in LOOP_KV:
+            raise ValueError(f"loop_kv must be one of {LOOP_KV}, got {loop_kv!r}")
+        #: what later tokens attend across loops (`kvq_jax.engine.runner`)
+        self.loop_kv = loop_kv
+        shared = loop_kv != "all" and config.num_loops > 1
+        #: loop planes the stores keep per token (1 with a shared loop_kv)
+        self.stored_loops = 1 if shared else config.num_loops
         if not isinstance(skip_exited, bool):
             raise ValueError(f"skip_exited must be a bool, got {skip_exited!r}")
         #: decode skips the loops after every active row has exited (Ouro, threshold < 1)
@@ -243,43 +251,67 @@ class Engine:
             and config.early_exit_threshold < 1
             and config.num_loops > 1
         )
+        # Shared loop_kv: the prompt being prefilled keeps every loop in a scratch pool of
+        # one sequence (its own allocator), freed when its prefill ends.
+        self.prefill_allocator = (
+            PageAllocator(max_pages_per_seq, page_size, 1, max_pages_per_seq) if shared else None
+        )
         if self.policy.quantized:
-            #: each layer's cache configuration (they differ only in per-layer key tables)
-            self.cache_configs = tuple(
-                dataclasses.replace(
-                    cache_config_for(
-                        layer_policy,
-                        num_pages=num_pages,
-                        page_size=page_size,
-                        dtype=self.dtype,
-                        num_loops=config.num_loops,
-                        max_seqs=max_seqs,
-                        **dims,
-                    ),
-                    adaptive_exit=self.skip_exited,
+            policies = layer_policies(self.policy, model, config.num_loops)
+
+            def configs(loops, pages, seqs, adaptive):
+                return tuple(
+                    dataclasses.replace(
+                        cache_config_for(
+                            p,
+                            num_pages=pages,
+                            page_size=page_size,
+                            dtype=self.dtype,
+                            num_loops=loops,
+                            max_seqs=seqs,
+                            **dims,
+                        ),
+                        adaptive_exit=adaptive,
+                    )
+                    for p in policies
                 )
-                for layer_policy in layer_policies(self.policy, model, config.num_loops)
-            )
+
+            #: each layer's cache configuration (they differ only in per-layer key tables)
+            self.cache_configs = configs(self.stored_loops, num_pages, max_seqs,
+                                         self.skip_exited and not shared)  # fmt: skip
             self.cache_config = self.cache_configs[0]
             groups = layer_groups(self.cache_configs)
             firsts = np.cumsum((0, *groups[:-1]))
-            self.stores = tuple(
-                QuantizedStore.empty(self.cache_configs[f], g)
-                for f, g in zip(firsts, groups, strict=True)
+
+            def stores(cfgs):
+                return tuple(QuantizedStore.empty(cfgs[f], g)
+                             for f, g in zip(firsts, groups, strict=True))  # fmt: skip
+
+            self.stores = stores(self.cache_configs)
+            self.scratch = (
+                stores(configs(config.num_loops, max_pages_per_seq, 1, False)) if shared else None
             )
         else:
             self.cache_config = None
             self.cache_configs = None
             groups = (config.num_layers,)
-            shape = (config.num_loops, num_pages, page_size, *dims.values())
+            shape = (self.stored_loops, num_pages, page_size, *dims.values())
             self.stores = (RawStore.empty(*shape, self.dtype, config.num_layers),)
+            shape = (config.num_loops, max_pages_per_seq, page_size, *dims.values())
+            self.scratch = (
+                (RawStore.empty(*shape, self.dtype, config.num_layers),) if shared else None
+            )
         #: the static description of the jitted steps (`kvq_jax.engine.runner.StepSpec`)
         self.spec = StepSpec(
             config=config, groups=groups, num_pages=num_pages, max_seqs=max_seqs,
             backend=backend, skip_exited=self.skip_exited,
+            loop_kv=loop_kv if shared else "all",
+            scratch_pages=max_pages_per_seq if shared else 0, scratch_seqs=1 if shared else 0,
         )  # fmt: skip
         if mesh is not None:
             self.stores, self.params = _shard(self.stores, self.params, mesh, mesh_axis)
+            if self.scratch is not None:
+                self.scratch, _ = _shard(self.scratch, self.params, mesh, mesh_axis)
         eos = config.eos_token_id
         self.default_stop_ids = frozenset(
             () if eos is None else (eos if isinstance(eos, tuple) else (eos,))
@@ -296,10 +328,16 @@ class Engine:
         return self.allocator.max_pages_per_seq * self.page_size
 
     def kv_bytes_per_token(self) -> float:
-        """Bytes of stored K/V per token over every layer and loop (the pages: packed base and
-        residual planes, or the raw store), excluding the per-sequence raw rows."""
+        """Bytes of stored K/V per token over every layer and stored loop plane (the pages:
+        packed base and residual planes, or the raw store; one plane per layer with a shared
+        loop_kv), excluding the per-sequence raw rows and the prefill scratch pool."""
         pool_tokens = self.allocator.num_pages * self.page_size
         return sum(store.page_bytes for store in self.stores) / pool_tokens
+
+    def scratch_bytes(self) -> int:
+        """Bytes of the prefill scratch pool's pages (shared loop_kv: every loop of one prompt
+        of up to max_pages_per_seq pages; 0 for loop_kv "all")."""
+        return 0 if self.scratch is None else sum(store.page_bytes for store in self.scratch)
 
     def layer_cache(self, layer: int):
         """A copy of decoder layer `layer`'s store: a `PagedKVCache` of the allocator's pages
@@ -470,19 +508,34 @@ class Engine:
         tables = jnp.asarray(self.allocator.block_tables())
         seq_ids = jnp.asarray([request.slot], jnp.int32)
         t0 = time.perf_counter()
+        scratch_tables = None
+        if self.prefill_allocator is not None:  # the prompt's per-loop planes, for its chunks
+            slot = self.prefill_allocator.add_sequence(len(prompt))
+            self.scratch = tuple(
+                store.clear_slots([j + slot for j in range(count)])
+                for count, store in zip(self.spec.groups, self.scratch, strict=True)
+            )
+            scratch_tables = jnp.asarray(self.prefill_allocator.block_tables())
         start = 0
         logits = exit_loop = None
-        while start < len(prompt):
-            rest = len(prompt) - start
-            size = (
-                self.prefill_chunk if rest >= self.prefill_chunk else 1 << (rest.bit_length() - 1)
-            )
-            tokens = jnp.asarray(prompt[None, start : start + size])
-            logits, exit_loop, self.stores = prefill_step(
-                self.params, self.stores, tokens, jnp.asarray([start], jnp.int32), tables,
-                seq_ids, spec=self.spec,
-            )  # fmt: skip
-            start += size
+        try:
+            while start < len(prompt):
+                rest = len(prompt) - start
+                size = (
+                    self.prefill_chunk
+                    if rest >= self.prefill_chunk
+                    else 1 << (rest.bit_length() - 1)
+                )
+                tokens = jnp.asarray(prompt[None, start : start + size])
+                logits, exit_loop, self.stores, self.scratch = prefill_step(
+                    self.params, self.stores, self.scratch, tokens,
+                    jnp.asarray([start], jnp.int32), tables, seq_ids, scratch_tables,
+                    spec=self.spec,
+                )  # fmt: skip
+                start += size
+        finally:
+            if self.prefill_allocator is not None:
+                self.prefill_allocator.free(slot)
         logits.block_until_ready()
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += len(prompt)

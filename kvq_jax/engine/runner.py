@@ -1,9 +1,9 @@
 """The model runner: the engine's jitted prefill and decode steps over its layer-group stores.
 
-`prefill_step(params, stores, tokens, start, tables, seq_ids, *, spec)` and
-`decode_step(params, stores, tokens, positions, tables, active, *, spec)` are the public steps
-(the engine and `bench/engine_decode.py` call them); `stores` is donated and returned updated.
-`spec` is the static `StepSpec` (model config, layer groups, pool shape, backend).
+`prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratch_tables,
+*, spec)` and `decode_step(params, stores, tokens, positions, tables, active, *, spec)` are
+the public steps (the engine and `bench/engine_decode.py` call them); `stores` (and
+`scratch`) are donated and returned updated. `spec` is the static `StepSpec`.
 
 Compiled by scan: within a loop, each layer group (`kvq_jax.engine.stores`) runs as one
 `lax.scan` over its layers, the layer's parameters indexed from the stacked pytree and its
@@ -12,14 +12,27 @@ one layer body per (loop, group): 4 for a 4-loop model with one policy for every
 whatever the number of layers. Loops stay unrolled: loop 0 writes a cache's base plane and
 loop l > 0 its residual plane l - 1 against loop l - 1, different formats and code.
 
-Exits that skip loops (`spec.skip_exited`, Ouro with early_exit_threshold < 1, an
-adaptive-exit cache): after each loop the decode step knows which rows have exited (their
-cumulative exit probability reached the threshold). A loop in which every active row has
-exited runs only the cache appends (`lax.cond`): each layer appends the rows' K/V of their
-exit loop, flagged `exited`, so the cache records them as adaptive exits; a row that exited
-while others still loop keeps its hidden state and appends its exit loop's K/V the same way.
-Later tokens attend to an exited token's K/V of loop min(l, exit loop). Prefill runs every
-loop for every prompt token.
+Loop-KV sharing (`spec.loop_kv`, docs/GUIDE.md "Loop-KV sharing"):
+
+* "all": the stores hold every loop (plane l: loop l). Prefill and decode append the token's
+  loop-l K/V at loop l, and loop l attends to loop l of every token.
+* "last" / "mean": the stores hold one plane per layer, the *shared* K/V of each token: its
+  last loop's K/V, or the float32 mean over its loops rounded to the compute dtype, stored in
+  the policy's format. Prefill: loop l of a prompt chunk attends to the prompt's earlier
+  chunks at loop l, from `scratch` (per-loop stores of the prompt being prefilled, every
+  loop) and to the chunk itself raw; the chunk's per-loop K/V go to `scratch`, its shared K/V
+  to the stores. Decode: loop l of a token attends to the shared plane of the earlier tokens
+  and to its own loop-l K/V (raw, merged by log-sum-exp); after its last loop its shared row
+  is appended.
+
+Exits that skip loops (`spec.skip_exited`, Ouro with early_exit_threshold < 1): after each
+loop the decode step knows which rows have exited (their cumulative exit probability reached
+the threshold). A loop in which every active row has exited runs no layer (`lax.cond`) but
+the appends that keep the cache consistent: with loop_kv "all" each layer appends the rows'
+K/V of their exit loop, flagged `exited` (an adaptive-exit cache records them); a row that
+exited while others still loop keeps its hidden state and its exit loop's K/V the same way.
+Later tokens attend to an exited token's K/V of loop min(l, exit loop) (for "mean": the mean
+over loops counts the exit loop's K/V for each skipped loop). Prefill runs every loop.
 """
 
 from __future__ import annotations
@@ -32,11 +45,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvq_jax.codecs.attention import merge_attention
 from kvq_jax.engine.stores import fold_tables, layer_ids
 from kvq_jax.models import architecture, ouro
 from kvq_jax.models.config import ModelConfig
 
-__all__ = ["StepSpec", "decode_step", "prefill_attention", "prefill_step"]
+__all__ = ["LOOP_KV", "StepSpec", "decode_step", "prefill_attention", "prefill_step"]
+
+#: What a later token attends at loop l: "all" (loop l of every token), "last" (each earlier
+#: token's last loop), "mean" (each earlier token's mean over loops).
+LOOP_KV = ("all", "last", "mean")
 
 _HI = lax.Precision.HIGHEST
 
@@ -45,8 +63,10 @@ _HI = lax.Precision.HIGHEST
 class StepSpec:
     """Static description of a step (hashable): the model `config` (num_loops as run),
     `groups` (layers per store, summing to config.num_layers), the allocator's `num_pages` and
-    `max_seqs`, the cache `backend`, and `skip_exited` (decode skips loops once every active
-    row has exited; needs adaptive-exit stores)."""
+    `max_seqs`, the cache `backend`, `skip_exited` (decode skips loops once every active row
+    has exited; with loop_kv "all" it needs adaptive-exit stores), `loop_kv` ("all", "last",
+    "mean"), and the prefill scratch pool's `scratch_pages` / `scratch_seqs` (shared loop_kv
+    only)."""
 
     config: ModelConfig
     groups: tuple[int, ...]
@@ -54,8 +74,13 @@ class StepSpec:
     max_seqs: int
     backend: str = "auto"
     skip_exited: bool = False
+    loop_kv: str = "all"
+    scratch_pages: int = 0
+    scratch_seqs: int = 0
 
     def __post_init__(self):
+        if self.loop_kv not in LOOP_KV:
+            raise ValueError(f"loop_kv must be one of {LOOP_KV}, got {self.loop_kv!r}")
         if sum(self.groups) != self.config.num_layers:
             raise ValueError(
                 f"StepSpec.groups {self.groups} must sum to the {self.config.num_layers} layers"
@@ -107,36 +132,6 @@ def _scan_groups(spec, params, stores, h, tables, body):
     return h, tuple(out), ys
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("stores",))
-def prefill_step(params, stores, tokens, start, tables, seq_ids, *, spec: StepSpec):
-    """Prompt chunk tokens int32 [B, T] of slots seq_ids [B] at positions start[b] .. + T ->
-    (logits [B, V] float32 of each row's last token, exit loops [B] int32, stores).
-
-    Each loop: every layer's q attends (causally) to its sequence's earlier tokens as the
-    store holds them and to the chunk's own k, v raw; then the chunk's k, v are appended."""
-    config, backend = spec.config, spec.backend
-    arch = architecture(config)
-    t = tokens.shape[1]
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    h = arch.embed(params, tokens)
-    heads = []
-    for loop in range(config.num_loops):
-
-        def body(layer, h, store, tables_g, j, index, loop=loop):
-            ids = layer_ids(seq_ids, j, spec.max_seqs)
-            q, k, v = arch.attention_inputs(layer, h, positions, config)
-            ctx_k, ctx_v = store.context(tables_g, ids, start, loop=loop, backend=backend)
-            store = store.append(k, v, tables_g, ids, start, loop=loop, backend=backend)
-            attn = prefill_attention(q, ctx_k, ctx_v, start, k, v)
-            return arch.attention_output(layer, h, attn.astype(h.dtype), config), store, None
-
-        h, stores, _ = _scan_groups(spec, params, stores, h, tables, body)
-        h = arch.final_norm(params, h, config)
-        heads.append(_head(params, config, h[:, -1:], last=loop == config.num_loops - 1))
-    logits, exit_loop = _select(config, heads)
-    return logits, exit_loop, stores
-
-
 def _head(params, config, h_last, *, last):
     """(logits [B, V] float32, exit gate logit [B] or None) of a loop's final-normed h [B,1,H];
     logits None for a non-final loop of a model that has no exit gate (Llama)."""
@@ -156,71 +151,132 @@ def _select(config, heads):
     return jnp.take_along_axis(stacked, exit_loop[None, :, None], axis=0)[0], exit_loop
 
 
+def _shared_kv(spec, kv_sum, kv_last):
+    """A token's shared K/V rows from the float32 sum over its loops or its last loop's."""
+    if spec.loop_kv == "last":
+        return kv_last
+    n = jnp.float32(spec.config.num_loops)
+    return tuple((a / n).astype(b.dtype) for a, b in zip(kv_sum, kv_last, strict=True))
+
+
+def _append_shared(spec, params, stores, tables, seq_ids, start, kv):
+    """Append each layer's shared K/V rows kv ([layers, B, n, H, D] each) to the stores."""
+
+    def body(layer, h, store, tables_g, j, index):
+        ids = layer_ids(seq_ids, j, spec.max_seqs)
+        store = store.append(kv[0][index], kv[1][index], tables_g, ids, start, loop=0,
+                             backend=spec.backend)  # fmt: skip
+        return h, store, None
+
+    _, stores, _ = _scan_groups(spec, params, stores, jnp.zeros((), jnp.int32), tables, body)
+    return stores
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("stores", "scratch"))
+def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratch_tables, *,
+                 spec: StepSpec):  # fmt: skip
+    """Prompt chunk tokens int32 [B, T] of slots seq_ids [B] at positions start[b] .. + T ->
+    (logits [B, V] float32 of each row's last token, exit loops [B] int32, stores, scratch).
+
+    Each loop: every layer's q attends (causally) to its sequence's earlier tokens of that
+    loop as the store holds them and to the chunk's own k, v raw; then the chunk's k, v are
+    appended. Shared loop_kv: the earlier tokens' loop-l K/V are read from and the chunk's
+    appended to `scratch` (slots 0..B-1, tables `scratch_tables`), and the chunk's shared
+    K/V go to `stores`; "all": scratch is None (and scratch_tables ignored)."""
+    config, backend = spec.config, spec.backend
+    shared = spec.loop_kv != "all"
+    arch = architecture(config)
+    t = tokens.shape[1]
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    h = arch.embed(params, tokens)
+    heads, kv_sum, kv = [], None, None
+    per_loop = scratch if shared else stores
+    loop_tables = scratch_tables if shared else tables
+    loop_ids = jnp.arange(seq_ids.shape[0], dtype=jnp.int32) if shared else seq_ids
+    loop_spec = (
+        dataclasses.replace(spec, num_pages=spec.scratch_pages, max_seqs=spec.scratch_seqs)
+        if shared
+        else spec
+    )
+    for loop in range(config.num_loops):
+
+        def body(layer, h, store, tables_g, j, index, loop=loop):
+            ids = layer_ids(loop_ids, j, loop_spec.max_seqs)
+            q, k, v = arch.attention_inputs(layer, h, positions, config)
+            ctx_k, ctx_v = store.context(tables_g, ids, start, loop=loop, backend=backend)
+            store = store.append(k, v, tables_g, ids, start, loop=loop, backend=backend)
+            attn = prefill_attention(q, ctx_k, ctx_v, start, k, v)
+            h = arch.attention_output(layer, h, attn.astype(h.dtype), config)
+            return h, store, (k, v) if shared else None
+
+        h, per_loop, kv = _scan_groups(loop_spec, params, per_loop, h, loop_tables, body)
+        if shared and spec.loop_kv == "mean":
+            f32 = tuple(a.astype(jnp.float32) for a in kv)
+            kv_sum = (
+                f32 if kv_sum is None else tuple(a + b for a, b in zip(kv_sum, f32, strict=True))
+            )
+        h = arch.final_norm(params, h, config)
+        heads.append(_head(params, config, h[:, -1:], last=loop == config.num_loops - 1))
+    if shared:
+        scratch = per_loop
+        stores = _append_shared(spec, params, stores, tables, seq_ids, start,
+                                _shared_kv(spec, kv_sum, kv))  # fmt: skip
+    else:
+        stores = per_loop
+    logits, exit_loop = _select(config, heads)
+    return logits, exit_loop, stores, scratch
+
+
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("stores",))
 def decode_step(params, stores, tokens, positions, tables, active, *, spec: StepSpec):
     """One token per slot (all max_seqs slots: tokens, positions int32 [S], active bool [S]
     marks the running ones) -> (logits [S, V] float32, exit loops [S] int32, loops run
     int32 (scalar), stores).
 
-    Each loop and layer: the token's k, v are appended at its position, then its q attends to
-    every stored token of its sequence, itself included (`store.attend`). With
-    spec.skip_exited, see the module doc."""
+    Each loop and layer, loop_kv "all": the token's k, v are appended at its position, then
+    its q attends to every stored token of its sequence in that loop, itself included;
+    shared loop_kv: q attends to the shared plane of the earlier tokens and to its own k, v,
+    and the token's shared row is appended after the last loop. With spec.skip_exited, see
+    the module doc."""
     config, backend = spec.config, spec.backend
+    shared = spec.loop_kv != "all"
     arch = architecture(config)
+    n = config.num_loops
     s = tokens.shape[0]
     seq_ids = jnp.arange(s, dtype=jnp.int32)
-    h = arch.embed(params, tokens[:, None])
     pos = positions[:, None]
-    if not spec.skip_exited:
-        heads = []
-        for loop in range(config.num_loops):
-
-            def body(layer, h, store, tables_g, j, index, loop=loop):
-                ids = layer_ids(seq_ids, j, spec.max_seqs)
-                q, k, v = arch.attention_inputs(layer, h, pos, config)
-                store = store.append(k, v, tables_g, ids, positions, loop=loop, backend=backend)
-                attn = store.attend(q[:, 0], tables_g, ids, positions + 1, loop=loop,
-                                    backend=backend)  # fmt: skip
-                h = arch.attention_output(layer, h, attn[:, None].astype(h.dtype), config)
-                return h, store, None
-
-            h, stores, _ = _scan_groups(spec, params, stores, h, tables, body)
-            h = arch.final_norm(params, h, config)
-            heads.append(_head(params, config, h, last=loop == config.num_loops - 1))
-        logits, exit_loop = _select(config, heads)
-        return logits, exit_loop, jnp.int32(config.num_loops), stores
-    return _decode_skipping(params, stores, h, pos, positions, seq_ids, tables, active, spec)
-
-
-def _decode_skipping(params, stores, h, pos, positions, seq_ids, tables, active, spec):
-    config, backend = spec.config, spec.backend
-    n = config.num_loops
-    threshold = jnp.float32(config.early_exit_threshold)
-    s = h.shape[0]
+    skip = spec.skip_exited
 
     def run_loop(loop, h, stores, exited, saved):
-        """One loop for the rows not exited; exited rows append their saved K/V, flagged."""
-        flags = exited[:, None] if loop else None
+        """One loop; rows that exited (skip) keep h and use their saved K/V."""
+        flags = exited[:, None] if (skip and loop and not shared) else None
 
         def body(layer, h, store, tables_g, j, index):
             ids = layer_ids(seq_ids, j, spec.max_seqs)
-            q, k, v = ouro.attention_inputs(layer, h, pos, config)
-            if loop:
+            q, k, v = arch.attention_inputs(layer, h, pos, config)
+            if skip and loop:
                 keep = exited[:, None, None, None]
                 k = jnp.where(keep, saved[0][index], k)
                 v = jnp.where(keep, saved[1][index], v)
-            store = store.append(k, v, tables_g, ids, positions, loop=loop, backend=backend,
-                                 exited=flags)  # fmt: skip
-            attn = store.attend(q[:, 0], tables_g, ids, positions + 1, loop=loop,
-                                backend=backend)  # fmt: skip
-            new_h = ouro.attention_output(layer, h, attn[:, None].astype(h.dtype), config)
-            return jnp.where(exited[:, None, None], h, new_h), store, (k, v)
+            if shared:
+                out, lse = store.attend(q[:, 0], tables_g, ids, positions, loop=0,
+                                        backend=backend, return_lse=True)  # fmt: skip
+                attn = merge_attention(out, lse, q[:, 0], k[:, 0], v[:, 0])
+            else:
+                store = store.append(k, v, tables_g, ids, positions, loop=loop,
+                                     backend=backend, exited=flags)  # fmt: skip
+                attn = store.attend(q[:, 0], tables_g, ids, positions + 1, loop=loop,
+                                    backend=backend)  # fmt: skip
+            new_h = arch.attention_output(layer, h, attn[:, None].astype(h.dtype), config)
+            if skip:
+                new_h = jnp.where(exited[:, None, None], h, new_h)
+            return new_h, store, (k, v)
 
         h, stores, kv = _scan_groups(spec, params, stores, h, tables, body)
-        return ouro.final_norm(params, h, config), stores, kv
+        return arch.final_norm(params, h, config), stores, kv
 
-    def append_only(loop, stores, saved):
-        """A loop every active row has exited: only the appends of the saved K/V."""
+    def append_exited(loop, stores, saved):
+        """A loop every active row has exited ("all"): the appends of their exit K/V."""
         flags = jnp.ones((s, 1), bool)
 
         def body(layer, h, store, tables_g, j, index):
@@ -232,37 +288,62 @@ def _decode_skipping(params, stores, h, pos, positions, seq_ids, tables, active,
         _, stores, _ = _scan_groups(spec, params, stores, jnp.zeros((), jnp.int32), tables, body)
         return stores
 
-    # The exit rule of `ouro.exit_loops`, loop by loop: p_l = sigmoid(g_l) * stay_{l-1} (the
-    # last loop takes the rest, stay_{N-2}); a row exits at the first loop whose running sum
-    # of p reaches the threshold.
+    def add(total, kv):
+        if spec.loop_kv != "mean":
+            return None
+        f32 = tuple(a.astype(jnp.float32) for a in kv)
+        return f32 if total is None else tuple(a + b for a, b in zip(total, f32, strict=True))
+
+    h = arch.embed(params, tokens[:, None])
     h, stores, saved = run_loop(0, h, stores, jnp.zeros((s,), bool), None)
-    logits, gate = _head(params, config, h, last=False)
-    lam = jax.nn.sigmoid(gate)
-    cum, stay = lam, 1.0 - lam
-    exited = (cum >= threshold) & (n > 1)
-    exit_loop = jnp.zeros((s,), jnp.int32)
-    loops_run = jnp.int32(1)
-    for loop in range(1, n):
-        last = loop == n - 1
+    kv_sum = add(None, saved)
+    if not skip:
+        heads = [_head(params, config, h, last=n == 1)]
+        for loop in range(1, n):
+            h, stores, saved = run_loop(loop, h, stores, jnp.zeros((s,), bool), saved)
+            kv_sum = add(kv_sum, saved)
+            heads.append(_head(params, config, h, last=loop == n - 1))
+        logits, exit_loop = _select(config, heads)
+        loops_run = jnp.int32(n)
+    else:
+        # The exit rule of `ouro.exit_loops`, loop by loop: p_l = sigmoid(g_l) * stay_{l-1}
+        # (the last loop takes the rest); a row exits at the first loop whose running sum of
+        # p reaches the threshold.
+        threshold = jnp.float32(config.early_exit_threshold)
+        logits, gate = _head(params, config, h, last=False)
+        lam = jax.nn.sigmoid(gate)
+        cum, stay = lam, 1.0 - lam
+        exited = (cum >= threshold) & (n > 1)
+        exit_loop = jnp.zeros((s,), jnp.int32)
+        loops_run = jnp.int32(1)
+        for loop in range(1, n):
+            last = loop == n - 1
 
-        def run(args, loop=loop, last=last):
-            h, stores, saved, logits, cum, stay, exit_loop, exited = args
-            h, stores, kv = run_loop(loop, h, stores, exited, saved)
-            lg, gate = _head(params, config, h, last=False)
-            lam = jnp.float32(1.0) if last else jax.nn.sigmoid(gate)
-            cum = cum + lam * stay
-            now = ~exited & ((cum >= threshold) | last)
-            logits = jnp.where(now[:, None], lg, logits)
-            exit_loop = jnp.where(now, loop, exit_loop)
-            return h, stores, kv, logits, cum, stay * (1.0 - lam), exit_loop, exited | now
+            def run(args, loop=loop, last=last):
+                h, stores, saved, kv_sum, logits, cum, stay, exit_loop, exited = args
+                h, stores, kv = run_loop(loop, h, stores, exited, saved)
+                lg, gate = _head(params, config, h, last=False)
+                lam = jnp.float32(1.0) if last else jax.nn.sigmoid(gate)
+                cum = cum + lam * stay
+                now = ~exited & ((cum >= threshold) | last)
+                logits = jnp.where(now[:, None], lg, logits)
+                exit_loop = jnp.where(now, loop, exit_loop)
+                return (h, stores, kv, add(kv_sum, kv), logits, cum, stay * (1.0 - lam),
+                        exit_loop, exited | now)  # fmt: skip
 
-        def skip(args, loop=loop):
-            h, stores, saved, *rest = args
-            return (h, append_only(loop, stores, saved), saved, *rest)
+            def skip_loop(args, loop=loop):
+                h, stores, saved, kv_sum, *rest = args
+                if not shared:
+                    stores = append_exited(loop, stores, saved)
+                return (h, stores, saved, add(kv_sum, saved), *rest)
 
-        done = jnp.all(exited | ~active)
-        loops_run = loops_run + jnp.where(done, 0, 1)
-        h, stores, saved, logits, cum, stay, exit_loop, exited = lax.cond(
-            done, skip, run, (h, stores, saved, logits, cum, stay, exit_loop, exited)
-        )
+            done = jnp.all(exited | ~active)
+            loops_run = loops_run + jnp.where(done, 0, 1)
+            args = (h, stores, saved, kv_sum, logits, cum, stay, exit_loop, exited)
+            h, stores, saved, kv_sum, logits, cum, stay, exit_loop, exited = lax.cond(
+                done, skip_loop, run, args
+            )
+    if shared:
+        stores = _append_shared(spec, params, stores, tables, seq_ids, positions,
+                                _shared_kv(spec, kv_sum, saved))  # fmt: skip
     return logits, exit_loop, loops_run, stores

@@ -14,7 +14,8 @@ Both stores implement the same three operations (no `isinstance` at the call sit
 
     store.append(k, v, tables, seq_ids, start, loop=..., backend=..., exited=None) -> store
     store.context(tables, seq_ids, start, loop=..., backend=...) -> (k, v) [B, C, H, D]
-    store.attend(q, tables, seq_ids, lens, loop=..., backend=...) -> float32 [B, Hq, D]
+    store.attend(q, tables, seq_ids, lens, loop=..., backend=..., return_lse=False)
+        -> float32 [B, Hq, D] (and with return_lse its log-sum-exp [B, Hq])
 
 with k, v [B, n, H, D] at positions start[b] .. + n, q [B, Hq, D], tables the folded block
 tables and seq_ids the folded slots. `QuantizedStore` wraps a `PagedKVCache`
@@ -83,10 +84,11 @@ class QuantizedStore:
             self.cache, tables, start, loop=loop, seq_ids=seq_ids, backend=backend
         )
 
-    def attend(self, q, tables, seq_ids, lens, *, loop, backend):
+    def attend(self, q, tables, seq_ids, lens, *, loop, backend, return_lse=False):
         return paged_attention.paged_decode_attention(
-            q, self.cache, tables, lens, loop=loop, seq_ids=seq_ids, backend=backend
-        )
+            q, self.cache, tables, lens, loop=loop, seq_ids=seq_ids, backend=backend,
+            return_lse=return_lse,
+        )  # fmt: skip
 
     def clear_slots(self, slots):
         """Empty the folded slots `slots` (ints) for a new sequence (`paged_cache.clear_slot`)."""
@@ -164,9 +166,9 @@ class RawStore:
         v = self.v[loop, rows].reshape(b, -1, *self.v.shape[-2:])
         return k, v
 
-    def attend(self, q, tables, seq_ids, lens, *, loop, backend):
+    def attend(self, q, tables, seq_ids, lens, *, loop, backend, return_lse=False):
         k, v = self.context(tables, seq_ids, lens, loop=loop, backend=backend)
-        return attend(q, k, v, lens)
+        return attend(q, k, v, lens, return_lse=return_lse)
 
     def clear_slots(self, slots):
         del slots  # no per-slot state: a slot's rows are its pages

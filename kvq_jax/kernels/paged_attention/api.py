@@ -46,11 +46,14 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None) -> str | None:
+def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
+                   return_lse: bool = False) -> str | None:  # fmt: skip
     """None when the kernel takes this call's configuration, else why not (naming the
     argument). Reads shapes and static metadata only (ShapeDtypeStructs will do)."""
     del block_tables, loop
     config = cache.config
+    if return_lse:
+        return "return_lse: the kernel returns the output only (the XLA path returns both)"
     d, ps = config.head_dim, config.page_size
     if config.adaptive_exit:
         return "cache.config.adaptive_exit: the depth map is served by the XLA path"
@@ -93,12 +96,14 @@ def _check_num_splits(num_splits) -> None:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
 
-def choose_backend(q, cache, block_tables, *, loop: int, backend: str, num_splits=None) -> str:
+def choose_backend(q, cache, block_tables, *, loop: int, backend: str, num_splits=None,
+                   return_lse: bool = False) -> str:  # fmt: skip
     """The implementation a (validated) call runs: "xla", "pallas" or "pallas_interpret";
     raises for a bad num_splits or backend, and for an explicit pallas backend the
     configuration or the device cannot take."""
     _check_num_splits(num_splits)
-    support = config_support(q, cache, block_tables, loop=loop, num_splits=num_splits)
+    support = config_support(q, cache, block_tables, loop=loop, num_splits=num_splits,
+                             return_lse=return_lse)  # fmt: skip
     return _backend.resolve_backend(backend, support)
 
 
@@ -114,9 +119,13 @@ def paged_decode_attention(
     num_splits: int | None = None,
     launch=None,
     block_pages: int | None = None,
+    return_lse: bool = False,
 ):
     """Decode attention of q [B, Hq, D] (one token per sequence) over loop `loop` of the
-    quantized paged cache; float32 [B, Hq, D] (see the module doc for the arguments).
+    quantized paged cache; float32 [B, Hq, D] (see the module doc for the arguments). With
+    return_lse (static; XLA path): (output, log-sum-exp of the scores float32 [B, Hq]), -inf
+    and output 0 for a sequence with seq_lens 0, so that other keys can be merged in
+    (`kvq_jax.codecs.attention.merge_attention`).
 
     Raises TypeError/ValueError naming the argument for bad arguments (every backend), and
     ValueError for backend="pallas"/"pallas_interpret" with a configuration the kernel does
@@ -128,8 +137,14 @@ def paged_decode_attention(
     return _paged_decode_attention(
         q, cache, block_tables, seq_lens, loop=loop, seq_ids=seq_ids, backend=backend,
         num_splits=num_splits, launch=_launch.check_launch(launch),
-        block_pages=_check_block_pages(block_pages),
+        block_pages=_check_block_pages(block_pages), return_lse=_check_bool(return_lse),
     )  # fmt: skip
+
+
+def _check_bool(value):
+    if not isinstance(value, bool):
+        raise TypeError(f"return_lse must be a bool, got {value!r}")
+    return value
 
 
 def _check_block_pages(block_pages):
@@ -143,19 +158,22 @@ def _check_block_pages(block_pages):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("loop", "backend", "num_splits", "launch", "block_pages")
+    jax.jit,
+    static_argnames=("loop", "backend", "num_splits", "launch", "block_pages", "return_lse"),
 )
 def _paged_decode_attention(q, cache, block_tables, seq_lens, *, loop, seq_ids, backend,
-                            num_splits, launch, block_pages):  # fmt: skip
+                            num_splits, launch, block_pages, return_lse):  # fmt: skip
     """The jitted body of `paged_decode_attention`."""
     config = check_cache(cache)
     b = checks.check_decode_args(config, q, block_tables, seq_lens, loop, seq_ids)
-    impl = choose_backend(q, cache, block_tables, loop=loop, backend=backend, num_splits=num_splits)
+    impl = choose_backend(q, cache, block_tables, loop=loop, backend=backend,
+                          num_splits=num_splits, return_lse=return_lse)  # fmt: skip
     seq_ids = jnp.arange(b, dtype=jnp.int32) if seq_ids is None else jnp.asarray(seq_ids)
     if impl == "xla":
         return xla.paged_decode_attention(
-            q, cache, block_tables, seq_lens, seq_ids, loop=loop, block_pages=block_pages
-        )
+            q, cache, block_tables, seq_lens, seq_ids, loop=loop, block_pages=block_pages,
+            return_lse=return_lse,
+        )  # fmt: skip
     max_pages = np.shape(block_tables)[1]
     if num_splits is None:
         num_splits = default_num_splits(b, config.num_heads, max_pages)

@@ -91,15 +91,24 @@ class _Softmax:
         _, l_sum, acc = state
         return acc / l_sum[..., None]
 
+    @staticmethod
+    def lse(state):
+        """log sum exp of the scores [B, H, G] (-inf where no row was valid)."""
+        m, l_sum, _ = state
+        return jnp.where(l_sum > 0, m + jnp.log(jnp.where(l_sum > 0, l_sum, 1.0)), -jnp.inf)
+
 
 def paged_decode_attention(
-    q, cache, block_tables, seq_lens, seq_ids, *, loop: int, block_pages: int | None = None
-):
+    q, cache, block_tables, seq_lens, seq_ids, *, loop: int, block_pages: int | None = None,
+    return_lse: bool = False,
+):  # fmt: skip
     """Validated arguments (seq_ids an int32 [B] array) -> float32 [B, Hq, D] (traceable).
 
     q [B, Hq, D]; block_tables int32 [max_seqs, M]; seq_lens int32 [B] (rows attended, each
-    <= the stored length of its slot in `loop`); block_pages (static): quantized pages decoded
-    per step (None: `default_block_pages`). See the module doc.
+    <= the stored length of its slot in `loop`; 0: no row, the output is 0); block_pages
+    (static): quantized pages decoded per step (None: `default_block_pages`); return_lse:
+    also return the scores' log-sum-exp float32 [B, Hq] (-inf for no row), to merge with
+    other keys. See the module doc.
     """
     config = cache.config
     ps, sink = config.page_size, config.sink
@@ -157,7 +166,11 @@ def paged_decode_attention(
     # Blocks past every sequence's last quantized row are never decoded.
     needed = jnp.minimum((jnp.max(limit) + block_tokens - 1) // block_tokens, n_blocks)
     state = jax.lax.fori_loop(0, needed, body, state)
-    return soft.finish(state).reshape(b, hq, d)
+    out = soft.finish(state).reshape(b, hq, d)
+    if not return_lse:
+        return out
+    lse = soft.lse(state).reshape(b, hq)
+    return jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), lse
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_reference"]
