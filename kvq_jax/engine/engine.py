@@ -519,13 +519,7 @@ class Engine:
         start = 0
         logits = exit_loop = None
         try:
-            while start < len(prompt):
-                rest = len(prompt) - start
-                size = (
-                    self.prefill_chunk
-                    if rest >= self.prefill_chunk
-                    else 1 << (rest.bit_length() - 1)
-                )
+            for size in self.prefill_chunks(len(prompt)):
                 tokens = jnp.asarray(prompt[None, start : start + size])
                 logits, exit_loop, self.stores, self.scratch = prefill_step(
                     self.params, self.stores, self.scratch, tokens,
@@ -541,6 +535,48 @@ class Engine:
         self.stats["prefill_tokens"] += len(prompt)
         request.position = len(prompt)
         return logits[0], exit_loop[0]
+
+    def prefill_chunks(self, prompt_len: int) -> list[int]:
+        """The chunk sizes a prompt of `prompt_len` tokens is prefilled in: prefill_chunk
+        tokens while that many remain, then powers of two (few compiled shapes)."""
+        sizes, rest = [], prompt_len
+        while rest > 0:
+            chunk = self.prefill_chunk
+            size = chunk if rest >= chunk else 1 << (rest.bit_length() - 1)
+            sizes.append(size)
+            rest -= size
+        return sizes
+
+    def compile_steps(self, prompt_len: int) -> dict:
+        """Compile (ahead of time, nothing runs, no state changes) the prefill programs a
+        prompt of `prompt_len` tokens needs and the decode program; returns the seconds
+        {"prefill": sum over the distinct chunk shapes, "decode": ..., "prefill_shapes":
+        [T, ...]}. Later calls of these shapes reuse the compiled programs."""
+        import time
+
+        i32 = jax.ShapeDtypeStruct
+        tables = jnp.asarray(self.allocator.block_tables())
+        scratch_tables = (
+            None
+            if self.prefill_allocator is None
+            else jnp.asarray(self.prefill_allocator.block_tables())
+        )
+        shapes = sorted(set(self.prefill_chunks(prompt_len)))
+        t0 = time.perf_counter()
+        for t in shapes:
+            prefill_step.lower(
+                self.params, self.stores, self.scratch, i32((1, t), jnp.int32),
+                i32((1,), jnp.int32), tables, i32((1,), jnp.int32), scratch_tables,
+                spec=self.spec,
+            ).compile()  # fmt: skip
+        t1 = time.perf_counter()
+        s = self.max_seqs
+        decode_step.lower(
+            self.params, self.stores, i32((s,), jnp.int32), i32((s,), jnp.int32), tables,
+            i32((s,), jnp.bool_), spec=self.spec,
+        ).compile()  # fmt: skip
+        t2 = time.perf_counter()
+        return {"prefill": t1 - t0, "decode": t2 - t1, "prefill_shapes": shapes}
 
     def decode_step(self) -> list[Request]:
         """One token for every running sequence (all slots computed, see the module doc)."""

@@ -2,9 +2,13 @@
 
 Prints the text, the prefill and decode rates and the stored KV bytes per token (the pages:
 packed base and residual planes over every layer and loop) with the ratio to the same K/V in
-bfloat16. Timing: one warm-up run of the same request first (compilation), then the measured
-run; prefill tokens/s counts prompt tokens, decode tokens/s the tokens of decode steps (the
-first new token comes from the prefill). Errors (unknown model or policy, prompt too long,
+bfloat16. Timing: the prefill programs the prompt needs and the decode program are compiled
+first, ahead of time (`compile_s`), then the request runs once, measured; prefill tokens/s
+counts prompt tokens, decode tokens/s the tokens of decode steps (the first new token comes
+from the prefill); `loops_per_token` is the mean number of loops a decode step ran (fewer
+than the model's when exits skip loops). `--model random:ouro-1.4b` (or `random:ouro-tiny`)
+runs seeded random weights of that shape; a model without a tokenizer takes `--prompt-ids`,
+or by default `--prompt-len` seeded random ids. Errors (unknown model or policy, prompt too long,
 exhausted pool) print one line and exit with 2.
 """
 
@@ -24,11 +28,19 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="'smollm2', a HF directory or a .gguf")
+    parser.add_argument("--model", required=True,
+                        help="'smollm2', a HF directory, a .gguf, or random:ouro-1.4b / "
+                             "random:ouro-tiny (seeded random weights)")  # fmt: skip
     parser.add_argument("--policy", default="int4-g64+win", help="a kvq report policy name")
-    text = parser.add_mutually_exclusive_group(required=True)
+    text = parser.add_mutually_exclusive_group()
     text.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
     text.add_argument("--prompt-ids", help="prompt token ids, comma separated")
+    parser.add_argument("--prompt-len", type=int, default=16,
+                        help="a model without a tokenizer and no --prompt-ids: this many "
+                             "seeded random prompt ids")  # fmt: skip
+    parser.add_argument("--loop-kv", default="all", choices=("all", "last", "mean"),
+                        help="what later tokens attend across loops: every loop's K/V (all), "
+                             "one shared plane of the last loop's or the mean K/V")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument(
         "--loops",
@@ -49,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="auto", help="cache ops backend (auto, xla, ...)")
-    parser.add_argument("--no-warmup", action="store_true", help="time the first run too")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="no ahead-of-time compile: the measured run compiles")  # fmt: skip
 
 
 class _Error(Exception):
@@ -63,6 +76,13 @@ def _prompt_ids(args, model) -> list[int]:
         except ValueError:
             bad = args.prompt_ids
             raise _Error(f"--prompt-ids must be comma-separated ints, got {bad!r}") from None
+    if args.prompt is None:
+        if model.tokenizer is not None:
+            raise _Error("pass --prompt TEXT or --prompt-ids IDS")
+        if args.prompt_len < 1:
+            raise _Error("--prompt-len must be >= 1")
+        rng = np.random.default_rng(args.seed)
+        return rng.integers(1, model.config.vocab_size, args.prompt_len).tolist()
     if model.tokenizer is None:
         raise _Error("the model has no tokenizer: pass --prompt-ids")
     return list(model.tokenizer.encode(args.prompt))
@@ -83,17 +103,16 @@ def _run_policy(model, policy, prompt, args, *, forced=None, keep_logits=False) 
     engine = Engine(
         model, policy, num_pages=args.num_pages or per_seq, page_size=ps, max_seqs=1,
         max_pages_per_seq=per_seq, loops=args.loops, prefill_chunk=args.prefill_chunk,
-        backend=args.backend,
+        backend=args.backend, loop_kv=args.loop_kv,
     )  # fmt: skip
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed, keep_logits=keep_logits)  # fmt: skip
     if forced is not None:
         options.update(max_new_tokens=len(forced), forced_tokens=forced)
     engine.make_request(prompt, **options)  # validate before any compilation
+    compile_s = None
     if not args.no_warmup:
-        engine.add_request(prompt, **options)
-        engine.run()
-        engine.stats = dict.fromkeys(engine.stats, 0)
+        compile_s = engine.compile_steps(len(prompt))
     request = engine.add_request(prompt, **options)
     engine.run()
     st = engine.stats
@@ -110,6 +129,9 @@ def _run_policy(model, policy, prompt, args, *, forced=None, keep_logits=False) 
         "decode_tokens": st["decode_tokens"],
         "decode_s": st["decode_s"],
         "decode_tokens_per_s": st["decode_tokens"] / max(st["decode_s"], 1e-9),
+        "compile_s": compile_s,
+        "loop_kv": engine.loop_kv,
+        "loops_per_token": st["decode_loops"] / st["decode_steps"] if st["decode_steps"] else None,
         "kv_bytes_per_token": kv,
         "bf16_bytes_per_token": bf16,
         "ratio_to_bf16": kv / bf16,
@@ -140,17 +162,23 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def _print_run(run: dict) -> None:
     print(f"[{run['policy']}] {run['text']}")
+    c = run["compile_s"]
+    if c is not None:
+        print(f"  compile: prefill {c['prefill']:.1f} s ({len(c['prefill_shapes'])} shape(s)), "
+              f"decode {c['decode']:.1f} s")  # fmt: skip
     print(
         f"  prefill: {run['prefill_tokens']} tokens in {run['prefill_s']:.3f} s = "
         f"{run['prefill_tokens_per_s']:.1f} tokens/s; decode: {run['decode_tokens']} tokens in "
         f"{run['decode_s']:.3f} s = {run['decode_tokens_per_s']:.1f} tokens/s "
         f"({run['finish_reason']})"
-    )
+        + ("" if run["loops_per_token"] is None else
+           f"; {run['loops_per_token']:.2f} loops/token")
+    )  # fmt: skip
     print(
         f"  KV bytes/token: {run['kv_bytes_per_token']:.1f} (bf16: "
         f"{run['bf16_bytes_per_token']}, ratio {run['ratio_to_bf16']:.3f}); plus "
         f"{run['raw_rows_per_sequence']} raw rows per sequence, layer and loop (staging page + "
-        "sink)"
+        f"sink); loop_kv {run['loop_kv']}"
     )
     c = run.get("compare")
     if c:

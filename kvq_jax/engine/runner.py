@@ -50,7 +50,14 @@ from kvq_jax.engine.stores import fold_tables, layer_ids
 from kvq_jax.models import architecture, ouro
 from kvq_jax.models.config import ModelConfig
 
-__all__ = ["LOOP_KV", "StepSpec", "decode_step", "prefill_attention", "prefill_step"]
+__all__ = [
+    "LOOP_KV",
+    "StepSpec",
+    "decode_step",
+    "prefill_attention",
+    "prefill_step",
+    "scan_layer_groups",
+]
 
 #: What a later token attends at loop l: "all" (loop l of every token), "last" (each earlier
 #: token's last loop), "mean" (each earlier token's mean over loops).
@@ -111,10 +118,12 @@ def _layer(params, index):
     return jax.tree.map(lambda a: a[index], params["layers"])
 
 
-def _scan_groups(spec, params, stores, h, tables, body):
-    """Run every layer group's layers in order: body(layer_params, h, store, tables_g, j,
-    index) -> (h, store, y) under one lax.scan per group. Returns (h, stores, ys) with ys the
-    groups' stacked per-layer outputs concatenated over layers."""
+def scan_layer_groups(spec, params, stores, h, tables, body):
+    """Run every layer group's layers in order, one `lax.scan` per group: body(layer_params,
+    h, store, tables_g, j, index) -> (h, store, y), with tables_g the group's folded block
+    tables, j the layer within the group (traced; `layer_ids(seq_ids, j, spec.max_seqs)`
+    are its slots) and index the model layer (traced). Returns (h, stores, ys), ys the
+    per-layer outputs stacked over all layers."""
     out, ys, first = [], [], 0
     for count, store in zip(spec.groups, stores, strict=True):
         tables_g = fold_tables(tables, count, spec.num_pages)
@@ -168,7 +177,7 @@ def _append_shared(spec, params, stores, tables, seq_ids, start, kv):
                              backend=spec.backend)  # fmt: skip
         return h, store, None
 
-    _, stores, _ = _scan_groups(spec, params, stores, jnp.zeros((), jnp.int32), tables, body)
+    _, stores, _ = scan_layer_groups(spec, params, stores, jnp.zeros((), jnp.int32), tables, body)
     return stores
 
 
@@ -209,7 +218,7 @@ def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratc
             h = arch.attention_output(layer, h, attn.astype(h.dtype), config)
             return h, store, (k, v) if shared else None
 
-        h, per_loop, kv = _scan_groups(loop_spec, params, per_loop, h, loop_tables, body)
+        h, per_loop, kv = scan_layer_groups(loop_spec, params, per_loop, h, loop_tables, body)
         if shared and spec.loop_kv == "mean":
             f32 = tuple(a.astype(jnp.float32) for a in kv)
             kv_sum = (
@@ -272,7 +281,7 @@ def decode_step(params, stores, tokens, positions, tables, active, *, spec: Step
                 new_h = jnp.where(exited[:, None, None], h, new_h)
             return new_h, store, (k, v)
 
-        h, stores, kv = _scan_groups(spec, params, stores, h, tables, body)
+        h, stores, kv = scan_layer_groups(spec, params, stores, h, tables, body)
         return arch.final_norm(params, h, config), stores, kv
 
     def append_exited(loop, stores, saved):
@@ -285,7 +294,9 @@ def decode_step(params, stores, tokens, positions, tables, active, *, spec: Step
                                  loop=loop, backend=backend, exited=flags)  # fmt: skip
             return h, store, None
 
-        _, stores, _ = _scan_groups(spec, params, stores, jnp.zeros((), jnp.int32), tables, body)
+        _, stores, _ = scan_layer_groups(
+            spec, params, stores, jnp.zeros((), jnp.int32), tables, body
+        )
         return stores
 
     def add(total, kv):
