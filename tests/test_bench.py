@@ -26,7 +26,20 @@ CASES = [
     ),
     (
         "engine_decode.py",
-        ["--model", "random:ouro-tiny", "--layers", "1", "--context", "64", "--loops", "2", "--loop-kv", "all,last", "--policies", "bf16,int4-g64+win"],
+        [
+            "--model",
+            "random:ouro-tiny",
+            "--layers",
+            "1",
+            "--context",
+            "64",
+            "--loops",
+            "2",
+            "--loop-kv",
+            "all,last",
+            "--policies",
+            "bf16,int4-g64+win",
+        ],
         "ms",
     ),
 ]
