@@ -1,9 +1,12 @@
-"""`Engine`: continuous-batching generation over per-layer quantized paged KV caches.
+"""`Engine`: continuous-batching generation over quantized paged KV caches.
 
-One `PagedKVCache` per decoder layer holds every loop of that layer (its loop planes: loop 0
-as the base, loops >= 1 as residual deltas), all sharing the block tables of one
-`PageAllocator`. The model's per-layer pieces (`kvq_jax.models`) run with the cache between the
-projections and attention.
+The layers' caches live in layer-group stores (`kvq_jax.engine.stores`: consecutive layers
+with one configuration folded into one `PagedKVCache`), each holding every loop of its layers
+(loop 0 as the base plane, loops >= 1 as residual deltas) or, with a shared `loop_kv`, one
+plane; all share the block tables of one `PageAllocator`. The jitted steps
+(`kvq_jax.engine.runner`: `lax.scan` over layers, loop-KV sharing, exits that skip loops)
+run the model's per-layer pieces (`kvq_jax.models`) with the cache between the projections
+and attention. What follows is loop_kv "all"; see the runner for the shared modes.
 
 What attention reads (the same rule in prefill and decode):
 
@@ -31,16 +34,17 @@ size (INT4 keys are grouped over tokens, so the group must divide the page size:
 int4-g64). "+win" keeps the first 4 tokens raw (`sink=4`); the policy's 16 "recent" raw rows
 are played by the cache's staging page, which holds the last (length mod page_size) tokens
 raw, between 0 and page_size - 1 of them, not a fixed 16. "bf16" is unquantized: a separate
-plain paged store (`RawPagedStore`: [loops, pages, page_size, H, D] per layer, same block
+plain paged store (`RawStore`: [loops, pages, page_size, H, D] per layer, same block
 tables) in the model's compute dtype, so a bfloat16 model's K/V are stored exactly (a float32
 model's in float32).
 
 Looped models: the layer stack runs `num_loops` times per token (`loops=` overrides the
 checkpoint's count), the final norm after every loop. Ouro: each loop's logits and exit gate
 are computed for the sampled position, and the token's logits are those of its exit loop
-(`ouro.exit_loops` with the config's `early_exit_threshold`; 1.0 = the last loop). Every loop
-still runs for every token (as `ouro.forward` does): the exit selects logits, it does not save
-compute (the cache's adaptive-exit mode is not used). Llama with loops > 1 is an emulation
+(`ouro.exit_loops` with the config's `early_exit_threshold`; 1.0 = the last loop). With a
+threshold < 1 a decode step stops looping once every active row has exited (`skip_exited`,
+the default; the runner's module doc); `skip_exited=False` runs every loop, as `ouro.forward`
+does, and only selects the exit loop's logits. Llama with loops > 1 is an emulation
 (`Engine.emulated`; the model was not trained to loop): the last loop's logits, the
 semantics of the Torch runner `kvq_torch_bridge.model_eval.looped.run_logits`.
 
@@ -196,7 +200,10 @@ class Engine:
     prefill_chunk: prompt tokens per prefill call; backend: the cache ops' backend; mesh (a
     `jax.sharding.Mesh`, or None) and mesh_axis: split every cache over its KV heads along
     that mesh axis (`cache_state.head_shardings`; the parameters are replicated), the same
-    tokens as unsharded.
+    tokens as unsharded; skip_exited: decode stops looping once every active row has exited
+    (Ouro, early_exit_threshold < 1); loop_kv: "all", "last" or "mean" (`runner.LOOP_KV`: one
+    shared K/V plane per layer at decode time, the prompt's per-loop planes in a scratch pool
+    of one sequence while it prefills).
 
     See the module doc for what attention reads, the policies and the batching rules.
     Every error (ValueError) is raised before anything changes, so the engine stays usable.
