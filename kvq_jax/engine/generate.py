@@ -15,6 +15,7 @@ exhausted pool) print one line and exit with 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="loops (default: the checkpoint's; on a plain model, > 1 is an emulation)",
     )
+    parser.add_argument("--exit-threshold", type=float, default=None,
+                        help="Ouro: the early-exit threshold (default: the checkpoint's; "
+                             "< 1 exits early and skips the loops after)")  # fmt: skip
     parser.add_argument("--compare", default=None, help="also run this policy (e.g. bf16)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -207,6 +211,13 @@ def run(args) -> int:
             model = load_model(args.model, args.dtype)
         except (ImportError, OSError) as e:  # MissingPackages: one message, one command
             raise _Error(str(e)) from None
+        if args.exit_threshold is not None:
+            if model.config.arch != "ouro":
+                raise _Error("--exit-threshold needs an Ouro model (an exit gate)")
+            if not 0.0 < args.exit_threshold <= 1.0:
+                raise _Error("--exit-threshold must be in (0, 1]")
+            config = dataclasses.replace(model.config, early_exit_threshold=args.exit_threshold)
+            model = dataclasses.replace(model, config=config)
         prompt = _prompt_ids(args, model)
         keep = args.compare is not None  # logits of the base run for the KL
         runs = [_run_policy(model, p, prompt, args) for p in policies[:1]]
