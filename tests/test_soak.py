@@ -4,9 +4,9 @@ equal to itself alone.
 Seeded: 510 requests (prompt lengths 1-300, 1-8 new tokens, random stop ids, greedy and
 sampled) through a tiny 2-loop Ouro under three loop_kv modes ("all" with int4-g16 and exits
 that skip loops, "last" with int4-g16+win, "mean" with bf16 and exits), queued in waves into
-an engine of 6 slots and a pool too small for all of them at once, so requests wait, join and leave continuously. At the end:
-every page and slot back with the allocators (the pool and the prefill scratch pool), and
-each request's tokens, exit loops and finish reason equal those of the same request run alone
+an engine of 6 slots and a pool too small for all of them at once, so requests wait, join
+and leave continuously. At the end: every page and slot back with the allocators (the pool
+and the prefill scratch pool), and each request's tokens, exit loops and finish reason equal those of the same request run alone
 in the idle engine afterwards (same compiled shapes: all slots run every step).
 """
 
