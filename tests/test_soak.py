@@ -6,8 +6,9 @@ sampled) through a tiny 2-loop Ouro under three loop_kv modes ("all" with int4-g
 that skip loops, "last" with int4-g16+win, "mean" with bf16 and exits), queued in waves into
 an engine of 6 slots and a pool too small for all of them at once, so requests wait, join
 and leave continuously. At the end: every page and slot back with the allocators (the pool
-and the prefill scratch pool), and each request's tokens, exit loops and finish reason equal those of the same request run alone
-in the idle engine afterwards (same compiled shapes: all slots run every step).
+and the prefill scratch pool), and each request's tokens, exit loops and finish reason
+equal those of the same request run alone in the idle engine afterwards (same compiled
+shapes: all slots run every step).
 """
 
 from __future__ import annotations
