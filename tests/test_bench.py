@@ -42,6 +42,7 @@ CASES = [
         ],
         "ms",
     ),
+    ("engine_compile.py", ["--model", "random:ouro-tiny"], "decode_s"),
 ]
 
 
