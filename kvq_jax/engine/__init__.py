@@ -1,10 +1,12 @@
-"""Generation engine: a model (`kvq_jax.models`) over per-layer quantized paged KV caches.
+"""Generation engine: a model (`kvq_jax.models`) over quantized paged KV caches.
 
-`Engine(model, policy, num_pages=, page_size=, max_seqs=, max_pages_per_seq=)` owns one
-`PagedKVCache` per layer (all loops of that layer) and a `PageAllocator`; jitted prefill and
-decode steps with the caches donated; greedy / temperature / top-k sampling with explicit PRNG
-keys; continuous batching. See `kvq_jax.engine.engine` for what attention reads, and
-`kvq_jax.engine.generate` for `kvq generate`.
+`Engine(model, policy, num_pages=, page_size=, max_seqs=, max_pages_per_seq=, loop_kv=,
+skip_exited=)` owns the layers' stores (`stores`: layer groups folded into one cache each) and
+a `PageAllocator`; the jitted steps (`runner`: `prefill_step`, `decode_step`, `lax.scan` over
+layers, loop-KV sharing, exits that skip loops) run with the stores donated; greedy /
+temperature / top-k sampling with explicit PRNG keys (`sampler`); continuous batching. See
+`kvq_jax.engine.engine` for what attention reads, and `kvq_jax.engine.generate` for
+`kvq generate`.
 
 Lazy: importing the package (as `kvq --help` does for `generate`'s options) loads no JAX.
 """
