@@ -1,0 +1,198 @@
+"""The engine against the eager page-by-page reference (tests/engine_reference.py): quantized
+decode over 16 steps, exits that skip loops, loop-KV sharing, each with planted defects.
+
+The prompt is fed one token per prefill call, as the reference does; tiny float32 models
+(tests/test_engine.py's `tiny_model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from engine_reference import reference_decode
+from test_engine import prompt_of, tiny_model
+
+from kvq_jax.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_ouro():
+    return tiny_model("ouro", seed=3, loops=2)
+
+
+# -- decode against the page-by-page reference (tests/engine_reference.py) ---------------------
+
+#: engine vs the eager page-by-page reference, float32 tiny models (measured: 2.9e-6 Llama,
+#: 5.7e-6 Ouro at 2 loops, 9.8e-5 with skipped loops over 3: float32 attention vs float64,
+#: the quantized codes themselves equal).
+REFERENCE_TOL = 5e-4
+
+
+def _against_reference(model, policy, *, prompt_len=20, page_size=16, loops=None,
+                       reference_skip=None, **kw):  # fmt: skip
+    """17 new tokens (16 decode steps; the prompt fed one token per prefill call, as the
+    reference does): the engine's tokens, logits and exit loops equal the reference's."""
+    engine = Engine(model, policy, num_pages=8, page_size=page_size, max_seqs=2,
+                    max_pages_per_seq=4, prefill_chunk=1, loops=loops, **kw)  # fmt: skip
+    prompt = prompt_of(prompt_len, seed=4)
+    request = engine.add_request(prompt, max_new_tokens=17, keep_logits=True)
+    engine.run()
+    _, logits, exits = reference_decode(
+        model, prompt, 17, cache_config=engine.cache_config, loops=loops,
+        skip=engine.skip_exited if reference_skip is None else reference_skip,
+        forced=request.tokens, loop_kv=engine.loop_kv,
+    )  # fmt: skip
+    assert np.abs(np.stack(request.logits) - logits).max() < REFERENCE_TOL
+    assert request.tokens == [int(t) for t in logits.argmax(-1)]
+    assert request.exit_loops == exits
+    return engine, request
+
+
+@pytest.mark.parametrize(
+    "arch,policy,page_size",
+    [
+        ("llama", "int4-g16+win", 16),
+        ("ouro", "int4-g16", 16),
+        pytest.param("ouro", "mixed+win", 64, marks=pytest.mark.slow),
+    ],
+)
+def test_quantized_decode_matches_the_reference(tiny_llama, tiny_ouro, arch, policy, page_size):
+    """>= 16 decode steps through complete pages (loop 0 packed, loop 1 a residual delta),
+    the partial page and the sink rows, against the public codec functions page by page."""
+    model = tiny_llama if arch == "llama" else tiny_ouro
+    prompt_len = 20 if page_size == 16 else 70
+    _against_reference(model, policy, prompt_len=prompt_len, page_size=page_size)
+
+
+@pytest.mark.slow
+def test_reference_comparison_catches_a_planted_defect(tiny_ouro, monkeypatch):
+    """Decode attention that reads loop 0 in every loop (the residual chain ignored)."""
+    from kvq_jax.engine import stores
+
+    real = stores.paged_attention.paged_decode_attention
+
+    def loop_zero(*args, loop, **kwargs):
+        return real(*args, loop=0, **kwargs)
+
+    jax.clear_caches()  # the jitted steps were traced with the real function
+    monkeypatch.setattr(stores.paged_attention, "paged_decode_attention", loop_zero)
+    try:
+        with pytest.raises(AssertionError):
+            _against_reference(tiny_ouro, "int4-g16")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
+def _gated_ouro():
+    """Tiny 3-loop Ouro whose exit gate fires early for most tokens at threshold 0.5."""
+    model = tiny_model("ouro", seed=3, loops=3, threshold=0.5)
+    gate = model.params["early_exit_gate"]
+    params = dict(model.params, early_exit_gate=dict(gate, weight=3 * gate["weight"]))
+    return dataclasses.replace(model, params=params)
+
+
+@pytest.mark.parametrize("policy", [pytest.param("bf16", marks=pytest.mark.slow), "int4-g16"])
+def test_exits_skip_loops(policy):
+    """Ouro at threshold 0.5: decode stops looping once the token has exited; later tokens
+    attend an exited token's exit-loop K/V (the adaptive-exit cache for int4), as the
+    reference's skipping semantics say; fewer loops run than 3 per step."""
+    engine, request = _against_reference(_gated_ouro(), policy)
+    assert engine.skip_exited and (engine.cache_config is None or engine.cache_config.adaptive_exit)
+    assert len(set(request.exit_loops[1:])) > 1  # decode tokens exit at different loops
+    steps, loops = engine.stats["decode_steps"], engine.stats["decode_loops"]
+    assert steps == 16 and loops < 3 * steps
+
+
+def test_skipping_reference_catches_an_engine_that_runs_every_loop():
+    """The planted defect: an engine that runs every loop after the exit (skip_exited=False)
+    differs from the skipping reference."""
+    with pytest.raises(AssertionError):
+        _against_reference(_gated_ouro(), "bf16", skip_exited=False, reference_skip=True)
+
+
+@pytest.mark.parametrize(
+    "policy,loop_kv",
+    [
+        ("bf16", "last"),
+        pytest.param("bf16", "mean", marks=pytest.mark.slow),
+        pytest.param("int4-g16+win", "last", marks=pytest.mark.slow),
+        ("int4-g16+win", "mean"),
+    ],
+)
+def test_loop_kv_sharing_matches_the_reference(policy, loop_kv):
+    """3-loop Ouro with one shared K/V plane per layer: the prompt attends per loop, a decode
+    token's loop l attends to the earlier tokens' shared rows (last loop, or the mean over
+    loops, stored in the policy's format) and to its own loop-l K/V."""
+    model = tiny_model("ouro", seed=3, loops=3)
+    engine, _ = _against_reference(model, policy, loop_kv=loop_kv)
+    assert engine.stored_loops == 1 and engine.spec.loop_kv == loop_kv
+
+
+def test_loop_kv_sharing_with_exits_that_skip_loops():
+    engine, _ = _against_reference(_gated_ouro(), "int4-g16", loop_kv="mean")
+    assert engine.stats["decode_loops"] < 3 * engine.stats["decode_steps"]
+    assert not engine.cache_config.adaptive_exit  # one plane: no per-loop exit record
+
+
+def test_loop_kv_reference_catches_a_planted_defect(monkeypatch):
+    """Shared decode attention that drops the token's own K/V (the log-sum-exp merge)."""
+    from kvq_jax.engine import runner
+
+    jax.clear_caches()
+    monkeypatch.setattr(runner, "merge_attention", lambda out, lse, q, k, v: out)
+    try:
+        with pytest.raises(AssertionError):
+            _against_reference(tiny_model("ouro", seed=3, loops=3), "bf16", loop_kv="last")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
+def test_loop_kv_sharing_keeps_one_plane_and_frees_the_prompts_planes():
+    """Chunked prefill (3 and 4 chunks) keeps the prompt's per-loop planes in the scratch pool,
+    which is empty again after the prefill; the pool holds 1 plane per layer: 1/3 of the
+    bytes of loop_kv="all" at 3 loops."""
+    model = tiny_model("ouro", seed=3, loops=3)
+    kw = dict(num_pages=8, page_size=16, max_seqs=2, max_pages_per_seq=4, prefill_chunk=8)
+    every = Engine(model, "int4-g16", **kw)
+    engine = Engine(model, "int4-g16", loop_kv="mean", **kw)
+    assert engine.kv_bytes_per_token() == pytest.approx(every.kv_bytes_per_token() / 3)
+    scratch = engine.prefill_allocator
+    free = scratch.num_free_pages
+    a = engine.submit(prompt_of(24, seed=4), max_new_tokens=8)
+    b = engine.submit(prompt_of(32, seed=5), max_new_tokens=6)
+    while engine.waiting or engine.running:
+        engine.step()
+        assert scratch.num_free_pages == free and not scratch.live_slots
+    assert a.done and b.done and len(a.tokens) == 8 and len(b.tokens) == 6
+    assert engine.allocator.num_free_pages == 8 and scratch.num_free_pages == free
+    assert engine.scratch_bytes() > 0 and every.scratch_bytes() == 0
+
+
+def test_exits_in_a_batch_equal_each_alone():
+    """Two sequences decoding together, exiting at different loops in the same step: each
+    gets the tokens it gets alone (the exited row keeps its state while the other loops)."""
+    model = _gated_ouro()
+    engine = Engine(model, "int4-g16", num_pages=8, page_size=16, max_seqs=2,
+                    max_pages_per_seq=4, prefill_chunk=8)  # fmt: skip
+    prompts = [prompt_of(24, seed=4), prompt_of(16, seed=5)]  # chunks of 8 only
+    alone = []
+    for prompt in prompts:
+        alone.append(engine.add_request(prompt, max_new_tokens=10, stop_ids=[]))
+        engine.run()
+    together = engine.generate(prompts, max_new_tokens=10, stop_ids=[])
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert [r.exit_loops for r in together] == [r.exit_loops for r in alone]
+    mixed = [
+        a != b for a, b in zip(together[0].exit_loops[1:], together[1].exit_loops[1:], strict=True)
+    ]
+    assert any(mixed)  # some step had one row exit before the other
