@@ -114,23 +114,20 @@ def prefill_attention(q, ctx_k, ctx_v, ctx_len, k, v):
     return out.reshape(b, t, hq, d)
 
 
-def _layer(params, index):
-    return jax.tree.map(lambda a: a[index], params["layers"])
-
-
 def scan_layer_groups(spec, params, stores, h, tables, body):
     """Run every layer group's layers in order, one `lax.scan` per group: body(layer_params,
     h, store, tables_g, j, index) -> (h, store, y), with tables_g the group's folded block
     tables, j the layer within the group (traced; `layer_ids(seq_ids, j, spec.max_seqs)`
     are its slots) and index the model layer (traced). Returns (h, stores, ys), ys the
     per-layer outputs stacked over all layers."""
+    layer_params = architecture(spec.config).layer_params
     out, ys, first = [], [], 0
     for count, store in zip(spec.groups, stores, strict=True):
         tables_g = fold_tables(tables, count, spec.num_pages)
 
         def step(carry, j, first=first, tables_g=tables_g):
             h, store = carry
-            h, store, y = body(_layer(params, first + j), h, store, tables_g, j, first + j)
+            h, store, y = body(layer_params(params, first + j), h, store, tables_g, j, first + j)
             return (h, store), y
 
         (h, store), y = lax.scan(step, (h, store), jnp.arange(count, dtype=jnp.int32))
@@ -158,6 +155,15 @@ def _select(config, heads):
     probs = ouro.exit_probabilities(jnp.stack([g for _, g in heads], axis=-1))
     exit_loop = ouro.exit_loops(probs, config.early_exit_threshold)
     return jnp.take_along_axis(stacked, exit_loop[None, :, None], axis=0)[0], exit_loop
+
+
+def _add_kv(spec, total, kv):
+    """loop_kv "mean": the float32 running sum of the loops' K/V (total None: the first
+    loop's); None for the other modes."""
+    if spec.loop_kv != "mean":
+        return None
+    f32 = tuple(a.astype(jnp.float32) for a in kv)
+    return f32 if total is None else tuple(a + b for a, b in zip(total, f32, strict=True))
 
 
 def _shared_kv(spec, kv_sum, kv_last):
@@ -219,11 +225,8 @@ def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratc
             return h, store, (k, v) if shared else None
 
         h, per_loop, kv = scan_layer_groups(loop_spec, params, per_loop, h, loop_tables, body)
-        if shared and spec.loop_kv == "mean":
-            f32 = tuple(a.astype(jnp.float32) for a in kv)
-            kv_sum = (
-                f32 if kv_sum is None else tuple(a + b for a, b in zip(kv_sum, f32, strict=True))
-            )
+        if shared:
+            kv_sum = _add_kv(spec, kv_sum, kv)
         h = arch.final_norm(params, h, config)
         heads.append(_head(params, config, h[:, -1:], last=loop == config.num_loops - 1))
     if shared:
@@ -299,20 +302,14 @@ def decode_step(params, stores, tokens, positions, tables, active, *, spec: Step
         )
         return stores
 
-    def add(total, kv):
-        if spec.loop_kv != "mean":
-            return None
-        f32 = tuple(a.astype(jnp.float32) for a in kv)
-        return f32 if total is None else tuple(a + b for a, b in zip(total, f32, strict=True))
-
     h = arch.embed(params, tokens[:, None])
     h, stores, saved = run_loop(0, h, stores, jnp.zeros((s,), bool), None)
-    kv_sum = add(None, saved)
+    kv_sum = _add_kv(spec, None, saved)
     if not skip:
         heads = [_head(params, config, h, last=n == 1)]
         for loop in range(1, n):
             h, stores, saved = run_loop(loop, h, stores, jnp.zeros((s,), bool), saved)
-            kv_sum = add(kv_sum, saved)
+            kv_sum = _add_kv(spec, kv_sum, saved)
             heads.append(_head(params, config, h, last=loop == n - 1))
         logits, exit_loop = _select(config, heads)
         loops_run = jnp.int32(n)
@@ -339,14 +336,14 @@ def decode_step(params, stores, tokens, positions, tables, active, *, spec: Step
                 now = ~exited & ((cum >= threshold) | last)
                 logits = jnp.where(now[:, None], lg, logits)
                 exit_loop = jnp.where(now, loop, exit_loop)
-                return (h, stores, kv, add(kv_sum, kv), logits, cum, stay * (1.0 - lam),
+                return (h, stores, kv, _add_kv(spec, kv_sum, kv), logits, cum, stay * (1.0 - lam),
                         exit_loop, exited | now)  # fmt: skip
 
             def skip_loop(args, loop=loop):
                 h, stores, saved, kv_sum, *rest = args
                 if not shared:
                     stores = append_exited(loop, stores, saved)
-                return (h, stores, saved, add(kv_sum, saved), *rest)
+                return (h, stores, saved, _add_kv(spec, kv_sum, saved), *rest)
 
             done = jnp.all(exited | ~active)
             loops_run = loops_run + jnp.where(done, 0, 1)
