@@ -827,7 +827,7 @@ def test_f16_subnormals_are_kept(fmt):
 
 
 class _Identity16(Codec):
-    """Toy format: the values as float16 codes."""
+    """Toy format: the values as float16 codes (overrides `pack` itself, the older way)."""
 
     name = "identity16"
     array_fields = ("codes",)

@@ -21,7 +21,7 @@ from helpers import assert_same_bytes, assert_same_values
 
 import kvq_jax
 from kvq_jax import oracle
-from kvq_jax.oracle import intb, scalar
+from kvq_jax.oracle import affine, intb, scalar
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -404,13 +404,13 @@ def test_planted_defect_msb_first_stream_is_caught(codecs, monkeypatch):
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
 def test_planted_defect_2_to_the_b_levels_is_caught(codecs, monkeypatch):
     # an oracle that divides the span by 2**b instead of 2**b - 1 must disagree with the codec
-    def wrong_levels(xs, width):
-        codes, min_bits, _ = original(xs, width)
+    def wrong_levels(xs, levels):  # levels = 2**b - 1
+        codes, min_bits, _ = original(xs, levels)
         mn, mx = min(xs), max(xs)
         span = scalar.sub(mx, 0.0 if mn == 0.0 else mn)
-        scale = scalar.div(span, float(2**width)) if span > 0.0 else 1.0
+        scale = scalar.div(span, float(levels + 1)) if span > 0.0 else 1.0
         return codes, min_bits, scalar.f16_bits(scale)
 
-    original = intb.encode_group
-    monkeypatch.setattr(intb, "encode_group", wrong_levels)
+    original = affine.encode_group
+    monkeypatch.setattr(affine, "encode_group", wrong_levels)
     check(_kv(np.random.default_rng(7), (6, 2, 6), F32), IRREG, codecs["irreg"], 3)

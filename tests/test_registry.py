@@ -49,27 +49,23 @@ class Pow2Int8Layout(FormatLayout):
 
 
 class JaxPow2Int8(Pow2Int8Layout, kvq_jax.Codec):
-    def pack(self, values, *, kind, axis, group_size):
+    def encode(self, values, *, axis, group_size):
         x = values.astype(jnp.float32)
         _, e = jnp.frexp(jnp.max(jnp.abs(x), initial=0.0))
         codes = jnp.clip(jnp.round(jnp.ldexp(x, 7 - e)), -127, 127).astype(jnp.int8)
-        arrays = {"codes": codes, "global_scale": jnp.ldexp(jnp.float32(1.0), e)}
-        return self._packed(arrays, kind=kind, axis=axis, group_size=group_size,
-                            shape=values.shape, dtype=values.dtype)  # fmt: skip
+        return {"codes": codes, "global_scale": jnp.ldexp(jnp.float32(1.0), e)}
 
     def unpack(self, packed, dtype):
         return (packed.codes.astype(jnp.float32) * packed.global_scale / 128).astype(dtype)
 
 
 class TorchPow2Int8(Pow2Int8Layout, kvt.Codec):
-    def pack(self, values, *, kind, axis, group_size):
+    def encode(self, values, *, axis, group_size):
         x = values.to(torch.float32)
         amax = x.abs().amax() if x.numel() else x.new_zeros(())
         e = torch.frexp(amax).exponent
         codes = torch.clamp(torch.round(torch.ldexp(x, 7 - e)), -127, 127).to(torch.int8)
-        arrays = {"codes": codes, "global_scale": torch.ldexp(torch.ones(()), e)}
-        return self._packed(arrays, kind=kind, axis=axis, group_size=group_size,
-                            shape=values.shape, dtype=values.dtype)  # fmt: skip
+        return {"codes": codes, "global_scale": torch.ldexp(torch.ones(()), e)}
 
     def unpack(self, packed, dtype):
         out = packed.codes.to(torch.float32) * packed.global_scale / 128

@@ -8,29 +8,19 @@ paths, and to the scalar oracle, byte for byte (`kvq conformance`).
 
 from __future__ import annotations
 
-import abc
-
-import jax.numpy as jnp
 import numpy as np
 
 from kvq_jax.codecs.packed import PackedKV
-from kvq_jax.core.layouts import FormatLayout
+from kvq_jax.core.codec_base import CodecBase
 
 
-class Codec(FormatLayout, abc.ABC):
+class Codec(CodecBase):
     """A storage format implemented in JAX: a `kvq_jax.core.layouts.FormatLayout` (names, group-size
-    rules, array shapes) plus `pack`/`unpack`. Subclass a layout and this class, implement the
-    two data paths, and add an instance with `kvq_jax.register_codec`.
+    rules, array shapes) plus `encode` ([T, H, D] values -> {field: jnp array}) and `unpack`
+    (`PackedKV` -> values, materialized). Subclass a layout and this class, implement the two
+    data paths, and add an instance with `kvq_jax.register_codec`; `pack` comes from
+    `kvq_jax.core.codec_base.CodecBase`.
     """
-
-    # -- data paths (reference / XLA) -----------------------------------------------------
-    @abc.abstractmethod
-    def pack(self, values: jnp.ndarray, *, kind: str, axis: str, group_size: int) -> PackedKV:
-        """Quantize validated [T, H, D] values (axis/group_size already resolved)."""
-
-    @abc.abstractmethod
-    def unpack(self, packed: PackedKV, dtype: np.dtype) -> jnp.ndarray:
-        """Reference dequantization to [T, H, D] in `dtype` (materializes the tensor)."""
 
     def _packed(self, arrays: dict, *, kind, axis, group_size, shape, dtype) -> PackedKV:
         return PackedKV(

@@ -20,11 +20,6 @@ Inputs to `encode` are flat lists of float32 values that were already flushed on
 from __future__ import annotations
 
 from kvq_jax.oracle import affine, layout
-from kvq_jax.oracle.scalar import (
-    add,
-    bits_to_f16,
-    mul,
-)
 
 #: Largest code.
 CODE_MAX = 3
@@ -38,24 +33,11 @@ def encode_group(xs: list[float]) -> tuple[list[int], int, int]:
 
 def encode(xs: list[float], shape, axis: str, group_size: int) -> dict[str, list[int]]:
     """Flat float32 values of `shape` -> raw bits: codes (bytes), minimum, scale (f16)."""
-    codes = [0] * len(xs)
-    minimum = []
-    scale = []
-    for members in layout.groups(shape, axis, group_size):
-        group_codes, min_bits, scale_bits = encode_group([xs[e] for e in members])
-        for e, c in zip(members, group_codes, strict=True):
-            codes[e] = c
-        minimum.append(min_bits)
-        scale.append(scale_bits)
+    codes, minimum, scale = affine.encode_groups(xs, shape, axis, group_size, lambda m: CODE_MAX)
     return {"codes": layout.pack_2bit(codes, shape), "minimum": minimum, "scale": scale}
 
 
 def decode(bits: dict[str, list[int]], shape, axis: str, group_size: int) -> list[float]:
     """Raw bits -> flat float32 values ``code * scale16 + minimum16``."""
     codes = layout.unpack_2bit(bits["codes"], shape)
-    owner = layout.group_of_elements(shape, axis, group_size)
-    minimum = [bits_to_f16(b) for b in bits["minimum"]]
-    scale = [bits_to_f16(b) for b in bits["scale"]]
-    return [
-        add(mul(float(code), scale[m]), minimum[m]) for code, m in zip(codes, owner, strict=True)
-    ]
+    return affine.decode_groups(codes, bits, shape, axis, group_size)

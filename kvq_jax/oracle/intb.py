@@ -30,11 +30,6 @@ from __future__ import annotations
 import numbers
 
 from kvq_jax.oracle import affine, layout
-from kvq_jax.oracle.scalar import (
-    add,
-    bits_to_f16,
-    mul,
-)
 
 #: Smallest and largest bit width of one channel.
 MIN_WIDTH = 1
@@ -187,26 +182,16 @@ def encode(xs: list[float], shape, group_size: int, bits: Table) -> dict[str, li
     """Flat float32 values of `shape` -> raw bits: codes (bytes), minimum, scale (f16).
 
     `bits` must be a table checked against `shape` (`check_table`)."""
-    codes = [0] * len(xs)
-    minimum = []
-    scale = []
-    for m, members in enumerate(layout.groups(shape, "tokens", group_size)):
+
+    def levels_of(m: int) -> int:
         h, c = _channel_of_group(m, shape)
-        group_codes, min_bits, scale_bits = encode_group([xs[e] for e in members], bits[h][c])
-        for e, code in zip(members, group_codes, strict=True):
-            codes[e] = code
-        minimum.append(min_bits)
-        scale.append(scale_bits)
+        return 2 ** bits[h][c] - 1
+
+    codes, minimum, scale = affine.encode_groups(xs, shape, "tokens", group_size, levels_of)
     return {"codes": pack_stream(codes, shape, bits), "minimum": minimum, "scale": scale}
 
 
 def decode(bits_in: dict[str, list[int]], shape, group_size: int, bits: Table) -> list[float]:
     """Raw bits -> flat float32 values ``code * scale16 + minimum16``."""
     codes = unpack_stream(bits_in["codes"], shape, bits)
-    owner = layout.group_of_elements(shape, "tokens", group_size)
-    # float16 values widen exactly to float32 and are never float32-subnormal: no flush needed.
-    minimum = [bits_to_f16(b) for b in bits_in["minimum"]]
-    scale = [bits_to_f16(b) for b in bits_in["scale"]]
-    return [
-        add(mul(float(code), scale[m]), minimum[m]) for code, m in zip(codes, owner, strict=True)
-    ]
+    return affine.decode_groups(codes, bits_in, shape, "tokens", group_size)

@@ -8,14 +8,13 @@ never the data.
 
 from __future__ import annotations
 
-import abc
-
 import numpy as np
 import torch
 
 from kvq_jax.core import checks
 from kvq_jax.core import layouts as _layouts
-from kvq_jax.core.layouts import FLOAT_DTYPES, FormatLayout, check_group_size, check_kind
+from kvq_jax.core.codec_base import CodecBase
+from kvq_jax.core.layouts import FLOAT_DTYPES, check_group_size, check_kind
 from kvq_torch_bridge.codecs._dtypes import meta, numpy_dtype
 from kvq_torch_bridge.codecs.packed import PackedKV
 
@@ -55,19 +54,11 @@ def check_tensor(x, name: str) -> torch.Tensor:
     return x
 
 
-class Codec(FormatLayout, abc.ABC):
+class Codec(CodecBase):
     """A storage format implemented in Torch: a `kvq_jax.core.layouts.FormatLayout` (the same
-    names, group-size rules, array shapes and error messages as kvq_jax) plus `pack`/`unpack`.
+    names, group-size rules, array shapes and error messages as kvq_jax) plus `encode` /
+    `unpack` on torch tensors; `pack` comes from `kvq_jax.core.codec_base.CodecBase`.
     """
-
-    # -- data paths --------------------------------------------------------------------
-    @abc.abstractmethod
-    def pack(self, values: torch.Tensor, *, kind: str, axis: str, group_size: int) -> PackedKV:
-        """Quantize validated [T, H, D] values (axis/group_size already resolved)."""
-
-    @abc.abstractmethod
-    def unpack(self, packed: PackedKV, dtype: np.dtype) -> torch.Tensor:
-        """Dequantize to [T, H, D] in `dtype` (a numpy dtype among FLOAT_DTYPES)."""
 
     def _packed(self, arrays: dict, *, kind, axis, group_size, shape, dtype) -> PackedKV:
         """Wrap the arrays, made contiguous (row-major, like every JAX array)."""

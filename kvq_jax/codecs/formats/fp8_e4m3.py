@@ -10,13 +10,12 @@ import jax.numpy as jnp
 
 from kvq_jax.codecs._numerics import divide, flush_subnormal, widen
 from kvq_jax.codecs.codec import Codec
-from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core.constants import E4M3_MAX
 from kvq_jax.core.layouts import FP8E4M3Layout
 
 
 class FP8E4M3Codec(FP8E4M3Layout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         x = widen(values)
         finite = jnp.all(jnp.isfinite(values), axis=-1)
         # max |x| = max(max x, -min x) on the input dtype (exact; flushed after: FTZ is
@@ -29,14 +28,7 @@ class FP8E4M3Codec(FP8E4M3Layout, Codec):
         q = jnp.clip(divide(x, jnp.where(ok, s[..., None], 1.0)), -E4M3_MAX, E4M3_MAX)
         codes = jnp.where(ok, q, 0.0).astype(jnp.float8_e4m3fn)
         scale = jnp.where(finite, s, jnp.float32(jnp.nan))
-        return self._packed(
-            {"codes": codes, "scale": scale},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return {"codes": codes, "scale": scale}
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
         out = flush_subnormal(

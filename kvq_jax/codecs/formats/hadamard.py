@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from kvq_jax.codecs._numerics import flush_subnormal, widen
 from kvq_jax.codecs.codec import Codec
 from kvq_jax.codecs.formats import int2, int4
-from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core.layouts import HInt2Layout, HInt4Layout
 
 
@@ -50,18 +49,8 @@ class _Rotated(Codec):
 
     base_codec: Codec
 
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
-        inner = self.base_codec.pack(
-            rotate(widen(values)), kind=kind, axis=axis, group_size=group_size
-        )
-        return self._packed(
-            {f: getattr(inner, f) for f in self.array_fields},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+    def encode(self, values, *, axis, group_size) -> dict:
+        return self.base_codec.encode(rotate(widen(values)), axis=axis, group_size=group_size)
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
         return unrotate(self.base_codec.unpack(packed, jnp.float32)).astype(dtype)

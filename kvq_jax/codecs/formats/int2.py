@@ -16,7 +16,6 @@ from kvq_jax.codecs import _grouping
 from kvq_jax.codecs._numerics import widen
 from kvq_jax.codecs.codec import Codec
 from kvq_jax.codecs.formats.int4 import dequantize_groups, group_range, quantize_groups
-from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core.constants import INT2_LEVELS
 from kvq_jax.core.layouts import Int2Layout
 
@@ -38,21 +37,14 @@ def unpack_2bit(packed: jnp.ndarray, channels: int) -> jnp.ndarray:
 
 
 class Int2Codec(Int2Layout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
         xg = layout.split(widen(values), 0.0)
         mn, mx, finite = group_range(layout, values)
         codes_g, minimum, scale = quantize_groups(xg, mn, mx, finite, INT2_LEVELS)
         m = layout.member_axis
         minimum, scale = minimum.squeeze(m), scale.squeeze(m)
-        return self._packed(
-            {"codes": pack_2bit(layout.merge(codes_g)), "minimum": minimum, "scale": scale},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return {"codes": pack_2bit(layout.merge(codes_g)), "minimum": minimum, "scale": scale}
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)

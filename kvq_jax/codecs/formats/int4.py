@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from kvq_jax.codecs import _grouping, _nibbles
 from kvq_jax.codecs._numerics import divide, flush_subnormal, round_half_even, widen
 from kvq_jax.codecs.codec import Codec
-from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core.constants import INT4_LEVELS
 from kvq_jax.core.layouts import Int4Layout
 
@@ -54,21 +53,14 @@ def dequantize_groups(codes_g, minimum, scale, member_axis: int) -> jnp.ndarray:
 
 
 class Int4Codec(Int4Layout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
         mn, mx, finite = group_range(layout, values)
         xg = layout.split(widen(values), 0.0)
         codes_g, minimum, scale = quantize_groups(xg, mn, mx, finite)
         codes = _nibbles.pack_nibbles(layout.merge(codes_g))
         m = layout.member_axis
-        return self._packed(
-            {"codes": codes, "minimum": minimum.squeeze(m), "scale": scale.squeeze(m)},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return {"codes": codes, "minimum": minimum.squeeze(m), "scale": scale.squeeze(m)}
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)

@@ -15,7 +15,6 @@ from kvq_jax.codecs import _grouping
 from kvq_jax.codecs._numerics import widen
 from kvq_jax.codecs.codec import Codec
 from kvq_jax.codecs.formats.int4 import dequantize_groups, group_range, quantize_groups
-from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core.layouts import IntBLayout
 
 
@@ -43,21 +42,14 @@ def unpack_stream(packed: jnp.ndarray, index: np.ndarray, valid: np.ndarray) -> 
 
 
 class IntBCodec(IntBLayout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
         mn, mx, finite = group_range(layout, values)
         xg = layout.split(widen(values), 0.0)
         codes_g, minimum, scale = quantize_groups(xg, mn, mx, finite, self.levels())
         codes = pack_stream(layout.merge(codes_g), *self.stream_maps())
         m = layout.member_axis
-        return self._packed(
-            {"codes": codes, "minimum": minimum.squeeze(m), "scale": scale.squeeze(m)},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return {"codes": codes, "minimum": minimum.squeeze(m), "scale": scale.squeeze(m)}
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)

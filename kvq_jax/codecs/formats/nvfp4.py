@@ -17,7 +17,6 @@ from kvq_jax.codecs._numerics import (
     widen,
 )
 from kvq_jax.codecs.codec import Codec
-from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core.constants import (
     E2M1_MAX,
     E4M3_MAX,
@@ -98,7 +97,7 @@ def quantize_groups(xg: jnp.ndarray, g: jnp.ndarray, vmax: jnp.ndarray):
 
 
 class NVFP4Codec(NVFP4Layout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         layout = _grouping.GroupLayout(values.shape, axis, group_size)
         finite = all_finite(values)
         vmax = block_amax(layout, values)
@@ -111,14 +110,7 @@ class NVFP4Codec(NVFP4Layout, Codec):
             "block_scale": jnp.where(finite, s8, jnp.float8_e4m3fn(jnp.nan)),
             "global_scale": jnp.where(finite, g, jnp.float32(jnp.nan)),
         }
-        return self._packed(
-            arrays,
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return arrays
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
         # The arithmetic E2M1 decode: the 16-entry table (`e2m1_decode_table`, 2-6x faster

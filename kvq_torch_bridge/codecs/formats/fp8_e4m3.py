@@ -13,11 +13,10 @@ from kvq_jax.core.layouts import FP8E4M3Layout
 from kvq_torch_bridge.codecs._dtypes import torch_dtype
 from kvq_torch_bridge.codecs._numerics import F32, clamp_e4m3, divide, flush_subnormal, widen
 from kvq_torch_bridge.codecs.codec import Codec
-from kvq_torch_bridge.codecs.packed import PackedKV
 
 
 class FP8E4M3Codec(FP8E4M3Layout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         x = widen(values)
         finite = torch.isfinite(x).all(dim=-1)
         s = flush_subnormal(divide(x.abs().amax(dim=-1), E4M3_MAX))
@@ -25,14 +24,7 @@ class FP8E4M3Codec(FP8E4M3Layout, Codec):
         q = clamp_e4m3(divide(x, torch.where(ok, s.unsqueeze(-1), 1.0)))
         codes = torch.where(ok, q, 0.0).to(torch.float8_e4m3fn)
         scale = torch.where(finite, s, math.nan)
-        return self._packed(
-            {"codes": codes, "scale": scale},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return {"codes": codes, "scale": scale}
 
     def unpack(self, packed, dtype) -> torch.Tensor:
         scale = flush_subnormal(packed.scale).unsqueeze(-1)

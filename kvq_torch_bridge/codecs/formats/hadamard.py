@@ -11,7 +11,6 @@ from kvq_torch_bridge.codecs._dtypes import torch_dtype
 from kvq_torch_bridge.codecs._numerics import F32, flush_subnormal, widen
 from kvq_torch_bridge.codecs.codec import Codec
 from kvq_torch_bridge.codecs.formats import int2, int4
-from kvq_torch_bridge.codecs.packed import PackedKV
 
 
 def butterfly(y: torch.Tensor) -> torch.Tensor:
@@ -47,18 +46,8 @@ class _Rotated(Codec):
 
     base_codec: Codec
 
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
-        inner = self.base_codec.pack(
-            rotate(widen(values)), kind=kind, axis=axis, group_size=group_size
-        )
-        return self._packed(
-            {f: getattr(inner, f) for f in self.array_fields},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+    def encode(self, values, *, axis, group_size) -> dict:
+        return self.base_codec.encode(rotate(widen(values)), axis=axis, group_size=group_size)
 
     def unpack(self, packed, dtype) -> torch.Tensor:
         out = unrotate(self.base_codec.unpack(packed, F32))

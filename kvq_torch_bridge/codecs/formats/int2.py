@@ -15,7 +15,6 @@ from kvq_torch_bridge.codecs._dtypes import torch_dtype
 from kvq_torch_bridge.codecs._numerics import widen
 from kvq_torch_bridge.codecs.codec import Codec
 from kvq_torch_bridge.codecs.formats.int4 import dequantize, quantize
-from kvq_torch_bridge.codecs.packed import PackedKV
 
 
 def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
@@ -36,17 +35,10 @@ def unpack_2bit(packed: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 class Int2Codec(Int2Layout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         layout = _grouping.GroupLayout(tuple(values.shape), axis, group_size)
         codes, minimum, scale = quantize(widen(values), layout, INT2_LEVELS)
-        return self._packed(
-            {"codes": pack_2bit(codes), "minimum": minimum, "scale": scale},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return {"codes": pack_2bit(codes), "minimum": minimum, "scale": scale}
 
     def unpack(self, packed, dtype) -> torch.Tensor:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)

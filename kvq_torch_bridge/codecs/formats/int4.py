@@ -15,7 +15,6 @@ from kvq_torch_bridge.codecs import _grouping, _nibbles
 from kvq_torch_bridge.codecs._dtypes import torch_dtype
 from kvq_torch_bridge.codecs._numerics import F32, divide, flush_subnormal, round_half_even, widen
 from kvq_torch_bridge.codecs.codec import Codec
-from kvq_torch_bridge.codecs.packed import PackedKV
 
 
 def quantize(x: torch.Tensor, layout: _grouping.GroupLayout, levels=INT4_LEVELS):
@@ -52,17 +51,10 @@ def dequantize(codes, minimum, scale, layout: _grouping.GroupLayout) -> torch.Te
 
 
 class Int4Codec(Int4Layout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         layout = _grouping.GroupLayout(tuple(values.shape), axis, group_size)
         codes, minimum, scale = quantize(widen(values), layout)
-        return self._packed(
-            {"codes": _nibbles.pack_nibbles(codes), "minimum": minimum, "scale": scale},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return {"codes": _nibbles.pack_nibbles(codes), "minimum": minimum, "scale": scale}
 
     def unpack(self, packed, dtype) -> torch.Tensor:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)

@@ -21,7 +21,6 @@ from kvq_torch_bridge.codecs._dtypes import torch_dtype
 from kvq_torch_bridge.codecs._numerics import F32, widen
 from kvq_torch_bridge.codecs.codec import Codec
 from kvq_torch_bridge.codecs.formats.int4 import dequantize, quantize
-from kvq_torch_bridge.codecs.packed import PackedKV
 
 
 def pack_stream(codes: torch.Tensor, channel: np.ndarray, bit: np.ndarray) -> torch.Tensor:
@@ -54,18 +53,15 @@ def unpack_stream(packed: torch.Tensor, index: np.ndarray, valid: np.ndarray) ->
 
 
 class IntBCodec(IntBLayout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         layout = _grouping.GroupLayout(tuple(values.shape), axis, group_size)
         levels = torch.as_tensor(self.levels(), dtype=F32, device=values.device)  # [H, D]
         codes, minimum, scale = quantize(widen(values), layout, levels)
-        return self._packed(
-            {"codes": pack_stream(codes, *self.stream_maps()), "minimum": minimum, "scale": scale},
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return {
+            "codes": pack_stream(codes, *self.stream_maps()),
+            "minimum": minimum,
+            "scale": scale,
+        }
 
     def unpack(self, packed, dtype) -> torch.Tensor:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)

@@ -28,7 +28,6 @@ from kvq_torch_bridge.codecs._numerics import (
     widen,
 )
 from kvq_torch_bridge.codecs.codec import Codec
-from kvq_torch_bridge.codecs.packed import PackedKV
 
 GROUP_SIZE = NVFP4_GROUP_SIZE
 #: The canonical E4M3 NaN pattern stored for non-finite input.
@@ -81,7 +80,7 @@ def dequantize(codes, block_scale, g, layout: _grouping.GroupLayout) -> torch.Te
 
 
 class NVFP4Codec(NVFP4Layout, Codec):
-    def pack(self, values, *, kind, axis, group_size) -> PackedKV:
+    def encode(self, values, *, axis, group_size) -> dict:
         layout = _grouping.GroupLayout(tuple(values.shape), axis, group_size)
         x = widen(values)
         finite = torch.isfinite(x).all()
@@ -95,14 +94,7 @@ class NVFP4Codec(NVFP4Layout, Codec):
             "block_scale": block_bits.view(torch.float8_e4m3fn),
             "global_scale": torch.where(finite, g, math.nan),
         }
-        return self._packed(
-            arrays,
-            kind=kind,
-            axis=axis,
-            group_size=group_size,
-            shape=values.shape,
-            dtype=values.dtype,
-        )
+        return arrays
 
     def unpack(self, packed, dtype) -> torch.Tensor:
         layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
