@@ -4,8 +4,8 @@ The oracle's selection is checked against an independent numpy computation (on d
 every float32 sum is exact) and hand-worked ties; its storage against hand-worked rows; the
 jitted and eager JAX paths and the Torch path against the oracle byte for byte (selection,
 payload, heavy rows, decode; special values, partial and empty groups); the report's heavy
-row against explicit `heavy_kv` calls; the model hook against `heavy_kv` on the K/V it saw; the
-engine refuses heavy policies; bad arguments raise naming the argument. Planted defects
+row against explicit `heavy_kv` calls, anchored on the oracle for one slice; the model hook
+against `heavy_kv` on the K/V it saw; the engine refuses heavy policies; bad arguments raise naming the argument. Planted defects
 (strict xfails) show the checks can fail.
 """
 
@@ -368,6 +368,29 @@ def test_policy_checks():
     assert pre.for_key_format("int4", table, 1e5).rope_theta == 1e5
 
 
+def _oracle_heavy_slice(k, v, table, bits, window, theta):
+    """The scalar oracle's reconstruction of one layer's K/V [T, H, D] under a heavy policy:
+    window rows raw, the middle rows' heavy rows chosen from the keys (FORMAT.md 5a), keys
+    stored before RoPE when `theta` is given (5b), INTB keys, HINT4 values, G = 64."""
+    t = k.shape[0]
+    head, mid, _ = window.split_sizes(t) if window is not None else (0, t, 0)
+    middle = slice(head, head + mid)
+    rows = oracle.select_heavy(k[middle], table, group_size=64)
+    out = []
+    for kind, x, fmt, extra in (("key", k, "intb", {"bits": bits}), ("value", v, "hint4", {})):
+        stored = x[middle]
+        if kind == "key" and theta is not None:
+            stored = oracle.invert_rope(stored, theta, offset=head).astype(x.dtype)
+        enc = oracle.pack_heavy(stored, rows, format=fmt, kind=kind, group_size=64, **extra)
+        x_hat = oracle.unpack_heavy(enc, F32)
+        if kind == "key" and theta is not None:
+            x_hat = oracle.apply_rope(x_hat, theta, offset=head)
+        full = x.copy()
+        full[middle] = x_hat.astype(x.dtype)
+        out.append(full)
+    return out
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -410,6 +433,15 @@ def test_report_row_equals_explicit_heavy_calls(name):
         x = x.astype(np.float64)
         assert got == pytest.approx(np.sqrt(np.sum((x_hat - x) ** 2) / np.sum(x**2)), rel=1e-5)
     assert row.k_absolute_loops == [1, 2, 3]
+    # the heavy_kv calls above anchored on the oracle for one (loop, layer) slice, so the row is
+    # checked against the scalar reference and not only against the function evaluate calls
+    layer = capture.meta["layers"][0]
+    want_k, want_v = _oracle_heavy_slice(
+        k[0, 0, 0], v[0, 0, 0], tables.heavy_table("p", layer), tables.table(layer),
+        policy.window, tables.rope_theta if policy.pre_rope else None,
+    )  # fmt: skip
+    np.testing.assert_array_equal(k_hat[0, 0, 0], want_k.astype(np.float64))
+    np.testing.assert_array_equal(v_hat[0, 0, 0], want_v.astype(np.float64))
     # bits from the bytes counted here (codes, metadata, heavy rows, window rows), not a number
     # copied from the README
     assert row.bits_per_element == pytest.approx(8.0 * (k_bytes + v_bytes) / (k.size + v.size))
