@@ -30,3 +30,20 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+# -- tiny models (tests/tiny_models.py; imported in the fixture: jax only after configure) ----
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from tiny_models import tiny_model
+
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_ouro():
+    from tiny_models import tiny_model
+
+    return tiny_model("ouro", seed=3, loops=2)

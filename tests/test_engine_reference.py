@@ -2,7 +2,7 @@
 decode over 16 steps, exits that skip loops, loop-KV sharing, each with planted defects.
 
 The prompt is fed one token per prefill call, as the reference does; tiny float32 models
-(tests/test_engine.py's `tiny_model`).
+(tests/tiny_models.py).
 """
 
 from __future__ import annotations
@@ -13,20 +13,9 @@ import jax
 import numpy as np
 import pytest
 from engine_reference import reference_decode
-from test_engine import prompt_of, tiny_model
+from tiny_models import prompt_of, tiny_model
 
 from kvq_jax.engine import Engine
-
-
-@pytest.fixture(scope="module")
-def tiny_llama():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def tiny_ouro():
-    return tiny_model("ouro", seed=3, loops=2)
-
 
 # -- decode against the page-by-page reference (tests/engine_reference.py) ---------------------
 

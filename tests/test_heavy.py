@@ -5,8 +5,8 @@ every float32 sum is exact) and hand-worked ties; its storage against hand-worke
 jitted and eager JAX paths and the Torch path against the oracle byte for byte (selection,
 payload, heavy rows, decode; special values, partial and empty groups); the report's heavy
 row against explicit `heavy_kv` calls, anchored on the oracle for one slice; the model hook
-against `heavy_kv` on the K/V it saw; the engine refuses heavy policies; bad arguments raise naming the argument. Planted defects
-(strict xfails) show the checks can fail.
+against `heavy_kv` on the K/V it saw; the engine refuses heavy policies; bad arguments raise
+naming the argument. Planted defects (strict xfails) show the checks can fail.
 """
 
 from __future__ import annotations

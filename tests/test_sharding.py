@@ -305,7 +305,7 @@ import json
 import jax, numpy as np
 from jax.sharding import Mesh
 from kvq_jax.engine import Engine
-from test_engine import tiny_model
+from tiny_models import tiny_model
 
 assert jax.device_count() == 4, jax.devices()
 mesh = Mesh(np.array(jax.devices()), ("heads",))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_engine import tiny_model
+from tiny_models import tiny_model
 
 from kvq_jax.engine import Engine
 
