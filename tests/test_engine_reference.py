@@ -20,9 +20,10 @@ from kvq_jax.engine import Engine
 # -- decode against the page-by-page reference (tests/engine_reference.py) ---------------------
 
 #: engine vs the eager page-by-page reference, float32 tiny models (measured: 2.9e-6 Llama,
-#: 5.7e-6 Ouro at 2 loops, 9.8e-5 with skipped loops over 3: float32 attention vs float64,
-#: the quantized codes themselves equal).
-REFERENCE_TOL = 5e-4
+#: 5.7e-6 Ouro at 2 loops; 5.9e-4 with skipped loops over 3: float32 attention vs float64,
+#: and there one float16 scale of a residual plane that the float32 round-off of the prefill
+#: attention rounds to the neighbouring value (every code equal), which later layers carry).
+REFERENCE_TOL = 1e-3
 
 
 def _against_reference(model, policy, *, prompt_len=20, page_size=16, loops=None,

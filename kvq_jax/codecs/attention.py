@@ -1,4 +1,6 @@
-"""Dense decode attention: the float32 reference every paged attention path is compared with."""
+"""Decode attention in float32: the dense reference every paged attention path is compared
+with, the online softmax the blockwise paths run, and the merge of partial attentions by
+log-sum-exp."""
 
 from __future__ import annotations
 
@@ -63,3 +65,63 @@ def dense_decode_attention(q, k, v, seq_lens) -> jnp.ndarray:
     k, v = jnp.asarray(k), jnp.asarray(v)
     checks.check_dense_attention_args(q, k, v, seq_lens)
     return attend(q, k, v, seq_lens)
+
+
+class OnlineSoftmax:
+    """Online softmax (flash-attention style) for q [B, H, G, D] float32 (GQA: G query heads
+    per KV head): the state is the running max m and sum l [B, H, G] and the rescaled
+    accumulator acc [B, H, G, D]; `update` folds in one block of rows, so peak memory is one
+    block whatever the number of rows attended."""
+
+    def __init__(self, q):
+        self.q = q
+        self.scale = jnp.float32(1.0 / math.sqrt(q.shape[-1]))
+
+    def init(self):
+        b, h, g, d = self.q.shape
+        return (
+            jnp.full((b, h, g), -jnp.inf, jnp.float32),
+            jnp.zeros((b, h, g), jnp.float32),
+            jnp.zeros((b, h, g, d), jnp.float32),
+        )
+
+    def update(self, state, k, v, valid):
+        """Fold rows k, v [B, T, H, D] (any float dtype) where valid [B, T] into the state."""
+        m, l_sum, acc = state
+        hi = jax.lax.Precision.HIGHEST
+        valid4 = valid[:, :, None, None]
+        # Invalid rows may hold anything (an unwritten page decodes to garbage): zero them.
+        k = jnp.where(valid4, k.astype(jnp.float32), 0.0)
+        v = jnp.where(valid4, v.astype(jnp.float32), 0.0)
+        s = jnp.einsum("bhgd,bthd->bhgt", self.q, k, precision=hi) * self.scale
+        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing valid yet: no NaN
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[..., None])
+        l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("bhgt,bthd->bhgd", p, v, precision=hi)
+        return m_new, l_sum, acc
+
+    @staticmethod
+    def finish(state):
+        _, l_sum, acc = state
+        return acc / l_sum[..., None]
+
+    @staticmethod
+    def lse(state):
+        """log sum exp of the scores [B, H, G] (-inf where no row was valid)."""
+        m, l_sum, _ = state
+        return jnp.where(l_sum > 0, m + jnp.log(jnp.where(l_sum > 0, l_sum, 1.0)), -jnp.inf)
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Attention over the union of two key sets from each one's (out [..., D] float32,
+    lse [...]); a set with no row has lse -inf (its out is ignored). The result is 0 where
+    neither has a row."""
+    m = jnp.maximum(lse_a, lse_b)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w_a, w_b = jnp.exp(lse_a - m_safe), jnp.exp(lse_b - m_safe)
+    total = w_a + w_b
+    out = out_a * w_a[..., None] + out_b * w_b[..., None]
+    return jnp.where((total > 0)[..., None], out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kvq_jax.codecs.attention import merge_attention
+from kvq_jax.codecs.attention import merge_attention, merge_partials
 from kvq_jax.engine.stores import fold_tables, layer_ids
 from kvq_jax.models import architecture, ouro
 from kvq_jax.models.config import ModelConfig
@@ -94,24 +94,29 @@ class StepSpec:
             )
 
 
-def prefill_attention(q, ctx_k, ctx_v, ctx_len, k, v):
-    """Chunk attention: q [B,T,Hq,D] over the context rows ctx_k/ctx_v [B,C,H,D] (the first
-    ctx_len[b] valid) and, causally, the chunk's own k, v [B,T,H,D]. float32 [B,T,Hq,D]."""
+def prefill_attention(store, q, k, v, tables, seq_ids, start, *, loop, backend):
+    """Chunk attention: q [B, T, Hq, D] over the first start[b] rows of slots seq_ids in the
+    store's `loop` (read block by block: `store.attend`, the chunk's T queries passed as T x G
+    query heads of each KV head) and, causally, the chunk's own k, v [B, T, H, D] raw, merged
+    by log-sum-exp. float32 [B, T, Hq, D]; peak memory one block of pages plus the chunk's
+    T x T scores, whatever the context."""
     b, t, hq, d = q.shape
     h = k.shape[2]
-    c = ctx_k.shape[1]
-    keys = jnp.concatenate([ctx_k.astype(jnp.float32), k.astype(jnp.float32)], axis=1)
-    vals = jnp.concatenate([ctx_v.astype(jnp.float32), v.astype(jnp.float32)], axis=1)
-    qf = q.astype(jnp.float32).reshape(b, t, h, hq // h, d)
-    scores = jnp.einsum("bthgd,bshd->bhgts", qf, keys, precision=_HI)
+    g = hq // h
+    qf = q.astype(jnp.float32).reshape(b, t, h, g, d)
+    heads = qf.transpose(0, 2, 1, 3, 4).reshape(b, h * t * g, d)  # KV head h: its T*G queries
+    ctx_out, ctx_lse = store.attend(heads, tables, seq_ids, start, loop=loop, backend=backend,
+                                    return_lse=True)  # fmt: skip
+    scores = jnp.einsum("bthgd,bshd->bhtgs", qf, k.astype(jnp.float32), precision=_HI)
     scores = scores * jnp.float32(1.0 / math.sqrt(d))
-    ctx_mask = jnp.broadcast_to((jnp.arange(c)[None] < ctx_len[:, None])[:, None], (b, t, c))
-    own = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
-    mask = jnp.concatenate([ctx_mask, own], axis=-1)  # [B, T, C + T]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgts,bshd->bthgd", probs, vals, precision=_HI)
-    return out.reshape(b, t, hq, d)
+    causal = jnp.tril(jnp.ones((t, t), bool))[None, None, :, None, :]
+    scores = jnp.where(causal, scores, -jnp.inf)
+    own_lse = jax.nn.logsumexp(scores, axis=-1)  # [B, H, T, G], finite (the diagonal)
+    probs = jnp.exp(scores - own_lse[..., None])
+    own = jnp.einsum("bhtgs,bshd->bhtgd", probs, v.astype(jnp.float32), precision=_HI)
+    out = merge_partials(ctx_out.reshape(b, h, t, g, d), ctx_lse.reshape(b, h, t, g), own,
+                         own_lse)  # fmt: skip
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
 
 
 def scan_layer_groups(spec, params, stores, h, tables, body):
@@ -194,9 +199,10 @@ def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratc
     (logits [B, V] float32 of each row's last token, exit loops [B] int32, stores, scratch).
 
     Each loop: every layer's q attends (causally) to its sequence's earlier tokens of that
-    loop as the store holds them and to the chunk's own k, v raw; then the chunk's k, v are
-    appended. Shared loop_kv: the earlier tokens' loop-l K/V are read from and the chunk's
-    appended to `scratch` (slots 0..B-1, tables `scratch_tables`), and the chunk's shared
+    loop as the store holds them, block by block (`prefill_attention`), and to the chunk's own
+    k, v raw; then the chunk's k, v are appended. Shared loop_kv: the earlier tokens' loop-l
+    K/V are read from and the chunk's appended to `scratch` (slots 0..B-1, tables
+    `scratch_tables`), and the chunk's shared
     K/V go to `stores`; "all": scratch is None (and scratch_tables ignored)."""
     config, backend = spec.config, spec.backend
     shared = spec.loop_kv != "all"
@@ -218,9 +224,9 @@ def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratc
         def body(layer, h, store, tables_g, j, index, loop=loop):
             ids = layer_ids(loop_ids, j, loop_spec.max_seqs)
             q, k, v = arch.attention_inputs(layer, h, positions, config)
-            ctx_k, ctx_v = store.context(tables_g, ids, start, loop=loop, backend=backend)
+            attn = prefill_attention(store, q, k, v, tables_g, ids, start, loop=loop,
+                                     backend=backend)  # fmt: skip
             store = store.append(k, v, tables_g, ids, start, loop=loop, backend=backend)
-            attn = prefill_attention(q, ctx_k, ctx_v, start, k, v)
             h = arch.attention_output(layer, h, attn.astype(h.dtype), config)
             return h, store, (k, v) if shared else None
 

@@ -10,17 +10,19 @@ attention) run unchanged on layer j with j a *traced* index: the layer loop is a
 (compiled once, not once per layer), and every update writes only the rows it changes in the
 one stacked buffer (in place under donation, as a single layer's cache).
 
-Both stores implement the same three operations (no `isinstance` at the call sites):
+Both stores implement the same operations (no `isinstance` at the call sites):
 
     store.append(k, v, tables, seq_ids, start, loop=..., backend=..., exited=None) -> store
-    store.context(tables, seq_ids, start, loop=..., backend=...) -> (k, v) [B, C, H, D]
     store.attend(q, tables, seq_ids, lens, loop=..., backend=..., return_lse=False)
         -> float32 [B, Hq, D] (and with return_lse its log-sum-exp [B, Hq])
+    store.clear_slots(slots) -> store
 
-with k, v [B, n, H, D] at positions start[b] .. + n, q [B, Hq, D], tables the folded block
-tables and seq_ids the folded slots. `QuantizedStore` wraps a `PagedKVCache`
-(`kvq_jax.cache.paged_cache`); `RawStore` holds unquantized K/V ("bf16" policy) in the
-model's compute dtype.
+with k, v [B, n, H, D] at positions start[b] .. + n, q [B, Hq, D] (any number of query heads
+per KV head: prefill passes a chunk's T queries as T x G heads), tables the folded block
+tables and seq_ids the folded slots. `attend` reads the first lens[b] rows block of pages by
+block of pages (online softmax: peak memory one block, whatever the context).
+`QuantizedStore` wraps a `PagedKVCache` (`kvq_jax.cache.paged_cache`); `RawStore` holds
+unquantized K/V ("bf16" policy) in the model's compute dtype.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from jax import lax
 
 from kvq_jax.cache import paged_attention, paged_cache
 from kvq_jax.codecs import cache_state
-from kvq_jax.codecs.attention import attend
+from kvq_jax.codecs.attention import OnlineSoftmax
 from kvq_jax.codecs.cache_state import PagedKVCache
 
 __all__ = ["QuantizedStore", "RawStore", "fold_tables", "layer_ids"]
@@ -78,11 +80,6 @@ class QuantizedStore:
             backend=backend,
         )  # fmt: skip
         return QuantizedStore(cache)
-
-    def context(self, tables, seq_ids, start, *, loop, backend):
-        return paged_cache.gather_batch(
-            self.cache, tables, start, loop=loop, seq_ids=seq_ids, backend=backend
-        )
 
     def attend(self, q, tables, seq_ids, lens, *, loop, backend, return_lse=False):
         return paged_attention.paged_decode_attention(
@@ -155,20 +152,37 @@ class RawStore:
         new_v = self.v.at[loop, page, row].set(v.astype(self.v.dtype), mode="drop")
         return RawStore(new_k, new_v)
 
-    def context(self, tables, seq_ids, start, *, loop, backend):
-        """All rows of slots seq_ids: k, v [B, M * page_size, H, D] (rows >= start: junk)."""
-        del start, backend
-        num_pages = self.k.shape[1]
-        rows = jnp.clip(tables.at[seq_ids].get(mode="fill", fill_value=0), 0, num_pages - 1)
-        b = rows.shape[0]
-        # One gather at (loop, rows): self.k[loop][rows] would first copy the loop's plane.
-        k = self.k[loop, rows].reshape(b, -1, *self.k.shape[-2:])
-        v = self.v[loop, rows].reshape(b, -1, *self.v.shape[-2:])
-        return k, v
+    def attend(self, q, tables, seq_ids, lens, *, loop, backend, return_lse=False,
+               block_pages=None):  # fmt: skip
+        """q [B, Hq, D] over the first lens[b] rows of slots seq_ids in `loop`, `block_pages`
+        pages at a time (None: 256 tokens' worth), stopping after the last block any row
+        attends. float32 [B, Hq, D] (0 for lens 0), with return_lse also the log-sum-exp."""
+        del backend
+        _, num_pages, ps, h, d = self.k.shape
+        b, hq, _ = q.shape
+        rows = tables.at[seq_ids].get(mode="fill", fill_value=-1)  # [B, M]
+        m_pages = rows.shape[1]
+        bp = min(max(1, 256 // ps) if block_pages is None else int(block_pages), m_pages)
+        n_blocks = -(-m_pages // bp)
+        rows = jnp.pad(rows, ((0, 0), (0, n_blocks * bp - m_pages)), constant_values=-1)
+        page_ids = jnp.clip(rows, 0, num_pages - 1)
+        lens = jnp.asarray(lens, jnp.int32)
+        soft = OnlineSoftmax(jnp.asarray(q, jnp.float32).reshape(b, h, hq // h, d))
+        block_tokens = bp * ps
 
-    def attend(self, q, tables, seq_ids, lens, *, loop, backend, return_lse=False):
-        k, v = self.context(tables, seq_ids, lens, loop=loop, backend=backend)
-        return attend(q, k, v, lens, return_lse=return_lse)
+        def body(j, state):
+            pages = lax.dynamic_slice_in_dim(page_ids, j * bp, bp, axis=1)  # [B, bp]
+            # one gather at (loop, pages): self.k[loop][pages] would copy the loop's plane
+            k = self.k[loop, pages].reshape(b, block_tokens, h, d)
+            v = self.v[loop, pages].reshape(b, block_tokens, h, d)
+            pos = j * block_tokens + jnp.arange(block_tokens)[None, :]
+            return soft.update(state, k, v, pos < lens[:, None])
+
+        needed = jnp.minimum((jnp.max(lens) + block_tokens - 1) // block_tokens, n_blocks)
+        state = lax.fori_loop(0, needed, body, soft.init())
+        lse = soft.lse(state)
+        out = jnp.where(jnp.isfinite(lse)[..., None], soft.finish(state), 0.0).reshape(b, hq, d)
+        return (out, lse.reshape(b, hq)) if return_lse else out
 
     def clear_slots(self, slots):
         del slots  # no per-slot state: a slot's rows are its pages

@@ -16,13 +16,11 @@ dense attention), which it equals to float32 round-off.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from kvq_jax.codecs import cache_state
-from kvq_jax.codecs.attention import attend
+from kvq_jax.codecs.attention import OnlineSoftmax, attend
 from kvq_jax.kernels.page_reconstruct import xla as page_xla
 
 #: Tokens one block of pages holds by default (a block is decoded, attended and dropped).
@@ -50,52 +48,6 @@ def paged_decode_attention_reference(q, cache, block_tables, seq_lens, seq_ids, 
     rows = cache_state.table_rows(block_tables, seq_ids)
     k, v = cache_state.read_batch(cache, rows, seq_lens, seq_ids, loop=loop, decode=decode)
     return attend(q, k, v, seq_lens)
-
-
-class _Softmax:
-    """Online-softmax state for q [B, H, G, D] (float32): running max m and sum l [B, H, G],
-    accumulator acc [B, H, G, D]."""
-
-    def __init__(self, q):
-        self.q = q
-        self.scale = jnp.float32(1.0 / math.sqrt(q.shape[-1]))
-
-    def init(self):
-        b, h, g, d = self.q.shape
-        return (
-            jnp.full((b, h, g), -jnp.inf, jnp.float32),
-            jnp.zeros((b, h, g), jnp.float32),
-            jnp.zeros((b, h, g, d), jnp.float32),
-        )
-
-    def update(self, state, k, v, valid):
-        """Fold rows k, v [B, T, H, D] (any float dtype) where valid [B, T] into the state."""
-        m, l_sum, acc = state
-        hi = jax.lax.Precision.HIGHEST
-        valid4 = valid[:, :, None, None]
-        # Invalid rows may hold anything (an unwritten page decodes to garbage): zero them.
-        k = jnp.where(valid4, k.astype(jnp.float32), 0.0)
-        v = jnp.where(valid4, v.astype(jnp.float32), 0.0)
-        s = jnp.einsum("bhgd,bthd->bhgt", self.q, k, precision=hi) * self.scale
-        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing valid yet: no NaN
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[..., None])
-        l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("bhgt,bthd->bhgd", p, v, precision=hi)
-        return m_new, l_sum, acc
-
-    @staticmethod
-    def finish(state):
-        _, l_sum, acc = state
-        return acc / l_sum[..., None]
-
-    @staticmethod
-    def lse(state):
-        """log sum exp of the scores [B, H, G] (-inf where no row was valid)."""
-        m, l_sum, _ = state
-        return jnp.where(l_sum > 0, m + jnp.log(jnp.where(l_sum > 0, l_sum, 1.0)), -jnp.inf)
 
 
 def paged_decode_attention(
@@ -133,7 +85,7 @@ def paged_decode_attention(
     stage_start = full_end  # the partial page, if any, is staged
     limit = jnp.minimum(length, full_end)  # quantized rows attended: [n_sink, limit)
 
-    soft = _Softmax(jnp.asarray(q, jnp.float32).reshape(b, h, hq // h, d))
+    soft = OnlineSoftmax(jnp.asarray(q, jnp.float32).reshape(b, h, hq // h, d))
     state = soft.init()
 
     def raw_rows(stage_or_sink):
