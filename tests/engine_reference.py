@@ -135,11 +135,12 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
                         plane.pages.append(
                             _reconstruct(loop_config, kind, loop, plane, below, page)
                         )
-                # decode reads the store after the append (the token's page may have just
-                # been quantized); prefill reads it before and adds the token's own row raw
-                stored = pos if prefill else pos + 1
-                keys = _rows(loop_config, planes[(i, loop, "key")], pos + 1, stored)
-                vals = _rows(loop_config, planes[(i, loop, "value")], pos + 1, stored)
+                # the store is read after the append (the token's page may have just been
+                # quantized); prefill attends to the chunk's own rows raw
+                keys = _rows(loop_config, planes[(i, loop, "key")], pos + 1, pos + 1)
+                vals = _rows(loop_config, planes[(i, loop, "value")], pos + 1, pos + 1)
+                if prefill:
+                    keys[pos], vals[pos] = np.asarray(k)[0, 0], np.asarray(v)[0, 0]
                 attn = _attend(np.asarray(q)[0, 0], keys, vals)
                 attn = jnp.asarray(attn)[None, None].astype(h.dtype)
                 new_h = arch.attention_output(layer, h, attn, config)

@@ -19,11 +19,14 @@ from kvq_jax.engine import Engine
 
 # -- decode against the page-by-page reference (tests/engine_reference.py) ---------------------
 
-#: engine vs the eager page-by-page reference, float32 tiny models (measured: 2.9e-6 Llama,
-#: 5.7e-6 Ouro at 2 loops; 5.9e-4 with skipped loops over 3: float32 attention vs float64,
-#: and there one float16 scale of a residual plane that the float32 round-off of the prefill
-#: attention rounds to the neighbouring value (every code equal), which later layers carry).
-REFERENCE_TOL = 1e-3
+#: engine vs the eager page-by-page reference, float32 tiny models: most tokens agree to float32
+#: round-off (measured 2e-6 - 5e-6: float32 attention vs float64), bounded by REFERENCE_TYPICAL
+#: on the median token; a few tokens jump to 1e-4 - 2.4e-3 where the round-off rounds one
+#: float16 scale of a quantized group to the neighbouring value (every code equal; measured
+#: on 3-loop Ouro with exits and on +win last), which later layers carry: REFERENCE_TOL
+#: bounds those. A wrong residual chain (the planted loop-0 defect) is off by ~4.
+REFERENCE_TOL = 1e-2
+REFERENCE_TYPICAL = 1e-4
 
 
 def _against_reference(model, policy, *, prompt_len=20, page_size=16, loops=None,
@@ -40,7 +43,8 @@ def _against_reference(model, policy, *, prompt_len=20, page_size=16, loops=None
         skip=engine.skip_exited if reference_skip is None else reference_skip,
         forced=request.tokens, loop_kv=engine.loop_kv,
     )  # fmt: skip
-    assert np.abs(np.stack(request.logits) - logits).max() < REFERENCE_TOL
+    err = np.abs(np.stack(request.logits) - logits).max(axis=-1)  # per token
+    assert err.max() < REFERENCE_TOL and np.median(err) < REFERENCE_TYPICAL, err
     assert request.tokens == [int(t) for t in logits.argmax(-1)]
     assert request.exit_loops == exits
     return engine, request

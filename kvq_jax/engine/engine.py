@@ -16,11 +16,14 @@ What attention reads (the same rule in prefill and decode):
   `paged_decode_attention` at that loop reads every token of the sequence, the new one
   included, from the cache: complete pages reconstructed through the residual chain, the
   partial page raw from staging, the first `sink` tokens raw (`+win` policies).
-* prefill (`prefill`, a chunk of T prompt tokens of one or more sequences): the chunk's q
-  attends (causally) to (a) the sequence's earlier tokens as the cache holds them, read
-  before the chunk is appended (`gather_batch`: exactly the rows decode would read for them),
-  and (b) the chunk's own k, v raw, as the model produced them (in decode the newest token is
-  raw too: it sits in the staging page). The chunk's k, v are then appended, loop by loop.
+* prefill (`prefill`, a chunk of T prompt tokens of one or more sequences): loop by loop and
+  layer by layer the chunk's k, v are appended first; then its q attends (causally) to (a)
+  the sequence's earlier tokens as the cache holds them after the append (exactly the rows
+  decode reads: a page the chunk completed is read reconstructed), read block by block
+  (`runner.prefill_attention`), and (b) the chunk's own k, v raw, as the model produced them
+  (in decode the newest token is raw too: it sits in the staging page). Appending first lets
+  XLA update the pool in place (a read of the old pool followed by the append made it copy
+  the whole pool per layer).
   The one difference from decoding the prompt token by token: a token of the chunk sees
   earlier tokens *of the same chunk* raw even when their page filled inside the chunk, where
   token-by-token decode would see them quantized. Long prompts are cut into chunks of

@@ -198,12 +198,12 @@ def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratc
     """Prompt chunk tokens int32 [B, T] of slots seq_ids [B] at positions start[b] .. + T ->
     (logits [B, V] float32 of each row's last token, exit loops [B] int32, stores, scratch).
 
-    Each loop: every layer's q attends (causally) to its sequence's earlier tokens of that
-    loop as the store holds them, block by block (`prefill_attention`), and to the chunk's own
-    k, v raw; then the chunk's k, v are appended. Shared loop_kv: the earlier tokens' loop-l
-    K/V are read from and the chunk's appended to `scratch` (slots 0..B-1, tables
-    `scratch_tables`), and the chunk's shared
-    K/V go to `stores`; "all": scratch is None (and scratch_tables ignored)."""
+    Each loop and layer: the chunk's k, v are appended, then q attends (causally) to its
+    sequence's earlier tokens of that loop as the store holds them, block by block
+    (`prefill_attention`), and to the chunk's own k, v raw. Shared loop_kv: the earlier
+    tokens' loop-l K/V are read from and the chunk's appended to `scratch` (slots 0..B-1,
+    tables `scratch_tables`), and the chunk's shared K/V go to `stores`; "all": scratch is
+    None (and scratch_tables ignored)."""
     config, backend = spec.config, spec.backend
     shared = spec.loop_kv != "all"
     arch = architecture(config)
@@ -224,9 +224,9 @@ def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratc
         def body(layer, h, store, tables_g, j, index, loop=loop):
             ids = layer_ids(loop_ids, j, loop_spec.max_seqs)
             q, k, v = arch.attention_inputs(layer, h, positions, config)
+            store = store.append(k, v, tables_g, ids, start, loop=loop, backend=backend)
             attn = prefill_attention(store, q, k, v, tables_g, ids, start, loop=loop,
                                      backend=backend)  # fmt: skip
-            store = store.append(k, v, tables_g, ids, start, loop=loop, backend=backend)
             h = arch.attention_output(layer, h, attn.astype(h.dtype), config)
             return h, store, (k, v) if shared else None
 

@@ -73,7 +73,16 @@ def _take(plane, pages, flat: bool):
 
 
 def _take_pages(arrays: dict, pages) -> dict:
-    return {k: a[pages] for k, a in arrays.items()}
+    return {k: _take_rows(a, pages) for k, a in arrays.items()}
+
+
+def _take_rows(a, pages):
+    """a[pages]; size-1 axes squeezed around the gather (XLA:CPU otherwise relayouts the
+    whole plane, e.g. one token group per page [P, 1, H, D], before every gather)."""
+    ones = tuple(i for i in range(1, a.ndim) if a.shape[i] == 1)
+    if not ones:
+        return a[pages]
+    return jnp.expand_dims(jnp.squeeze(a, ones)[pages], ones)
 
 
 def decode_pages(base, delta, pages, *, loop: int, depth=None) -> jnp.ndarray:

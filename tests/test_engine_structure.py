@@ -1,0 +1,130 @@
+"""The engine's compiled steps at the structural level: what a step costs in memory and in
+passes over the page pool, read from the compiled programs (nothing is timed).
+
+* prefill's peak temporary memory does not grow with the context a chunk attends to (the
+  cached context is read block by block), bf16 and quantized stores;
+* the prefill and decode steps touch the pool only through in-place updates: no instruction
+  of the compiled program copies a pool-wide buffer (such a copy is a pass over every page of
+  every layer, per step);
+each with a planted defect that the check catches.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from tiny_models import tiny_model
+
+from kvq_jax.engine import Engine
+from kvq_jax.engine.runner import decode_step, prefill_step
+from kvq_jax.engine.stores import RawStore
+from kvq_jax.kernels.page_reconstruct import xla as page_xla
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def ouro():
+    return tiny_model("ouro", seed=3, loops=2)
+
+
+def _engine(model, policy, pages, **kw):
+    return Engine(model, policy, num_pages=pages, page_size=16, max_seqs=kw.pop("max_seqs", 1),
+                  max_pages_per_seq=kw.pop("max_pages_per_seq", pages), **kw)  # fmt: skip
+
+
+def _compiled(engine, step, chunk=CHUNK):
+    s = jax.ShapeDtypeStruct
+    tables = jnp.asarray(engine.allocator.block_tables())
+    if step == "prefill":
+        return prefill_step.lower(
+            engine.params, engine.stores, engine.scratch, s((1, chunk), jnp.int32),
+            s((1,), jnp.int32), tables, s((1,), jnp.int32), None, spec=engine.spec,
+        ).compile()  # fmt: skip
+    n = engine.max_seqs
+    return decode_step.lower(
+        engine.params, engine.stores, s((n,), jnp.int32), s((n,), jnp.int32), tables,
+        s((n,), jnp.bool_), spec=engine.spec,
+    ).compile()  # fmt: skip
+
+
+def _prefill_temp_bytes(model, policy, pages) -> int:
+    """Temporary bytes of the prefill program of a pool (and a sequence) of `pages` pages."""
+    return _compiled(_engine(model, policy, pages), "prefill").memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("policy", ["bf16", "int4-g16"])
+def test_prefill_peak_memory_is_flat_in_the_context(ouro, policy):
+    """Contexts of 1024 and 8192 tokens (64 / 512 pages of 16): the same temporary memory to
+    within 5% (measured: +0.3%, 1.33 / 1.24 MB; the dense prefill attention it replaced
+    needed 38.8 / 22.1 MB at 8192 tokens and grew with the context)."""
+    small, large = (_prefill_temp_bytes(ouro, policy, p) for p in (64, 512))
+    assert large < 1.05 * small, (small, large)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_planted_defect_one_block_of_the_whole_context_is_caught(ouro, monkeypatch):
+    """The raw store's attention reading the whole context as one block."""
+    whole = functools.partialmethod(RawStore.attend, block_pages=1 << 20)
+    monkeypatch.setattr(RawStore, "attend", whole)
+    jax.clear_caches()
+    try:
+        test_prefill_peak_memory_is_flat_in_the_context(ouro, "bf16")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
+#: num_pages of the structural check: a prime no other dimension of the program has.
+POOL = 509
+
+
+def _pool_copies(engine, step, chunk) -> list[str]:
+    """Copy instructions of the compiled step (prefill: of a `chunk`-token chunk) whose result
+    has the folded pool's page axis (POOL x layers of a group), in any computation (loop
+    bodies included)."""
+    dims = {str(POOL * g) for g in engine.spec.groups}
+    out = []
+    for line in _compiled(engine, step, chunk).as_text().splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = \(?\w+\[([\d,]*)\]\S* (\w[\w-]*)\(", line)
+        if not m or not dims & set(m.group(2).split(",")):
+            continue
+        name, op = m.group(1), m.group(3)
+        if op == "copy" or (op == "fusion" and "copy" in name):
+            out.append(f"{op} {name} [{m.group(2)}]")
+    return out
+
+
+@pytest.mark.parametrize(
+    "policy,step,chunk",
+    [
+        ("bf16", "prefill", 16),
+        ("bf16", "decode", None),
+        ("int4-g16", "decode", None),
+        ("int4-g16", "prefill", 64),
+        pytest.param("int4-g16", "prefill", 16, marks=pytest.mark.xfail(
+            strict=True, raises=AssertionError,
+            reason="known: with a one-page chunk the loop-1 scan of the quantized prefill "
+                   "copies the residual planes (XLA:CPU); not fixed yet")),
+    ],
+)  # fmt: skip
+def test_steps_touch_the_pool_only_in_place(ouro, policy, step, chunk):
+    engine = _engine(ouro, policy, POOL, max_seqs=2, max_pages_per_seq=8)
+    assert _pool_copies(engine, step, chunk) == []
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_planted_defect_pool_relayout_is_caught(ouro, monkeypatch):
+    """Page gathers on the metadata planes as they are ([P, 1, H, D]: XLA:CPU relayouts the
+    whole plane before each gather)."""
+    monkeypatch.setattr(page_xla, "_take_rows", lambda a, pages: a[pages])
+    jax.clear_caches()
+    try:
+        test_steps_touch_the_pool_only_in_place(ouro, "int4-g16", "decode", None)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
