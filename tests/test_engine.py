@@ -237,6 +237,51 @@ def test_joining_and_leaving_equals_alone(tiny_llama):
     assert engine.allocator.num_free_pages == 12
 
 
+#: prompt lengths of the batched-prefill test: with chunk 16 the first round (S = 16) takes the
+#: last three (a call of 2 rows, then 1: the third request sits in row 0 of the second call).
+BATCH_LENGTHS = (5, 40, 37, 19)
+
+
+def _batched_vs_alone(model, policy, loop_kv):
+    kw = dict(num_pages=40, page_size=16, max_seqs=4, max_pages_per_seq=8, prefill_chunk=16,
+              loop_kv=loop_kv)  # fmt: skip
+    engine = Engine(model, policy, **kw)
+    batched = [engine.submit(prompt_of(n, n), max_new_tokens=5) for n in BATCH_LENGTHS]
+    engine.step()  # admits all four, prefilled together
+    calls = engine.stats["prefill_calls"]
+    engine.run()
+    alone_calls = 0
+    for r, n in zip(batched, BATCH_LENGTHS, strict=True):
+        single = Engine(model, policy, **kw)
+        want = single.add_request(prompt_of(n, n), max_new_tokens=5)
+        single.run()
+        alone_calls += single.stats["prefill_calls"]
+        assert r.tokens == want.tokens, n
+    assert calls < alone_calls  # 8 calls for the 4 prompts, 12 one by one
+    assert engine.allocator.num_free_pages == 40
+    if engine.prefill_allocator is not None:
+        assert engine.prefill_allocator.num_free_pages == engine.prefill_allocator.num_pages
+
+
+@pytest.mark.parametrize("policy,loop_kv", [("int4-g16", "all"), ("int4-g16+win", "last")])
+def test_prefill_of_several_requests_in_one_call_equals_alone(tiny_ouro, policy, loop_kv):
+    """Requests admitted together prefill in shared calls (rows of one chunk size, each with
+    its own slot and, with a shared loop_kv, its own scratch slot) and give each request's
+    tokens alone; both pools empty at the end."""
+    _batched_vs_alone(tiny_ouro, policy, loop_kv)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_planted_defect_scratch_slots_by_row_are_caught(tiny_ouro, monkeypatch):
+    """Scratch slots taken from the row index (0..B-1) instead of the request's own."""
+    from kvq_jax.engine import engine as engine_module
+
+    real = engine_module.prefill_step
+    monkeypatch.setattr(engine_module, "prefill_step", lambda *a, **k: real(*a[:8], None, **k))
+    _batched_vs_alone(tiny_ouro, "int4-g16+win", "last")
+
+
 def test_stop_ids(tiny_llama):
     engine = _engine(tiny_llama)
     first = engine.add_request(prompt_of(7), max_new_tokens=10)

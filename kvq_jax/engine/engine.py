@@ -205,8 +205,9 @@ class Engine:
     that mesh axis (`cache_state.head_shardings`; the parameters are replicated), the same
     tokens as unsharded; skip_exited: decode stops looping once every active row has exited
     (Ouro, early_exit_threshold < 1); loop_kv: "all", "last" or "mean" (`runner.LOOP_KV`: one
-    shared K/V plane per layer at decode time, the prompt's per-loop planes in a scratch pool
-    of one sequence while it prefills).
+    shared K/V plane per layer at decode time, the prompts' per-loop planes in a scratch pool
+    of prefill_batch sequences while they prefill); prefill_batch: requests `step` admits and
+    prefills together (at most max_seqs).
 
     See the module doc for what attention reads, the policies and the batching rules.
     Every error (ValueError) is raised before anything changes, so the engine stays usable.
@@ -228,6 +229,7 @@ class Engine:
         mesh_axis: str = "heads",
         skip_exited: bool = True,
         loop_kv: str = "all",
+        prefill_batch: int = 4,
     ):
         config: ModelConfig = model.config
         if loops is not None:
@@ -238,6 +240,14 @@ class Engine:
         self.emulated = config.arch != "ouro" and config.num_loops > 1
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        if (
+            isinstance(prefill_batch, bool)
+            or not isinstance(prefill_batch, int)
+            or (prefill_batch < 1)
+        ):
+            raise ValueError(f"prefill_batch must be an int >= 1, got {prefill_batch!r}")
+        #: requests admitted (and prefilled together) per `step`, at most
+        self.prefill_batch = min(prefill_batch, max_seqs)
         self.policy = resolve_policy(policy)
         self.model, self.config, self.params = model, config, model.params
         self.dtype = jnp.dtype(model.params["embed_tokens"].dtype)
@@ -261,10 +271,13 @@ class Engine:
             and config.early_exit_threshold < 1
             and config.num_loops > 1
         )
-        # Shared loop_kv: the prompt being prefilled keeps every loop in a scratch pool of
-        # one sequence (its own allocator), freed when its prefill ends.
+        # Shared loop_kv: a prompt being prefilled keeps every loop in a scratch pool of
+        # prefill_batch sequences (its own allocator), freed when its prefill ends.
+        nb = self.prefill_batch
         self.prefill_allocator = (
-            PageAllocator(max_pages_per_seq, page_size, 1, max_pages_per_seq) if shared else None
+            PageAllocator(nb * max_pages_per_seq, page_size, nb, max_pages_per_seq)
+            if shared
+            else None
         )
         if self.policy.quantized:
             policies = layer_policies(self.policy, model, config.num_loops)
@@ -299,7 +312,9 @@ class Engine:
 
             self.stores = stores(self.cache_configs)
             self.scratch = (
-                stores(configs(config.num_loops, max_pages_per_seq, 1, False)) if shared else None
+                stores(configs(config.num_loops, nb * max_pages_per_seq, nb, False))
+                if shared
+                else None
             )
         else:
             self.cache_config = None
@@ -307,7 +322,7 @@ class Engine:
             groups = (config.num_layers,)
             shape = (self.stored_loops, num_pages, page_size, *dims.values())
             self.stores = (RawStore.empty(*shape, self.dtype, config.num_layers),)
-            shape = (config.num_loops, max_pages_per_seq, page_size, *dims.values())
+            shape = (config.num_loops, nb * max_pages_per_seq, page_size, *dims.values())
             self.scratch = (
                 (RawStore.empty(*shape, self.dtype, config.num_layers),) if shared else None
             )
@@ -316,7 +331,8 @@ class Engine:
             config=config, groups=groups, num_pages=num_pages, max_seqs=max_seqs,
             backend=backend, skip_exited=self.skip_exited,
             loop_kv=loop_kv if shared else "all",
-            scratch_pages=max_pages_per_seq if shared else 0, scratch_seqs=1 if shared else 0,
+            scratch_pages=nb * max_pages_per_seq if shared else 0,
+            scratch_seqs=nb if shared else 0,
         )  # fmt: skip
         if mesh is not None:
             self.stores, self.params = _shard(self.stores, self.params, mesh, mesh_axis)
@@ -329,7 +345,7 @@ class Engine:
         self.running: dict[int, Request] = {}  # slot -> request
         self.waiting: list[Request] = []
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
-                      "decode_steps": 0, "decode_loops": 0}  # fmt: skip
+                      "decode_steps": 0, "decode_loops": 0, "prefill_calls": 0}  # fmt: skip
 
     # -- sizes ----------------------------------------------------------------------------------
 
@@ -471,14 +487,17 @@ class Engine:
         return self.run(requests)
 
     def step(self) -> list[Request]:
-        """Admit queued requests that fit (in order), then one decode step for every running
-        sequence. Returns the requests that finished in this step."""
+        """Admit queued requests that fit (in order, up to `prefill_batch`, prefilled together),
+        then one decode step for every running sequence. Returns the requests that finished
+        in this step."""
+        batch = []
+        while (self.waiting and len(batch) < self.prefill_batch
+               and self._fits(self.waiting[0])):  # fmt: skip
+            batch.append(self.waiting.pop(0))
         finished = []
-        while self.waiting and self._fits(self.waiting[0]):
-            request = self.waiting.pop(0)
-            self._admit(request)
-            if request.done:
-                finished.append(request)
+        if batch:
+            self._admit(batch)
+            finished = [r for r in batch if r.done]
         if not self.running:
             if self.waiting:  # validated against the pool: it fits once others leave
                 raise RuntimeError("queued request cannot be admitted into an idle engine")
@@ -491,70 +510,112 @@ class Engine:
 
     # -- prefill and decode ------------------------------------------------------------------
 
-    def _admit(self, request: Request) -> None:
-        if request.slot is not None or request.done:
-            raise ValueError("request was already admitted")
-        slot = self.allocator.add_sequence(len(request.prompt) + request.max_new_tokens)
-        request.slot = slot
+    def _admit(self, requests) -> None:
+        """Slots and pages for `requests` (a Request or a list), then their prefill together;
+        on any error every one is released and the error raised (nothing changed)."""
+        requests = [requests] if isinstance(requests, Request) else list(requests)
+        for r in requests:
+            if r.slot is not None or r.done:
+                raise ValueError("request was already admitted")
+        taken = []
         try:
+            for r in requests:
+                r.slot = self.allocator.add_sequence(len(r.prompt) + r.max_new_tokens)
+                taken.append(r)
+            slots = [r.slot for r in requests]
             self.stores = tuple(
-                store.clear_slots([j * self.max_seqs + slot for j in range(count)])
+                store.clear_slots([j * self.max_seqs + s for j in range(count) for s in slots])
                 for count, store in zip(self.spec.groups, self.stores, strict=True)
             )
-            logits, exit_loop = self.prefill(request)
+            results = self.prefill(requests)
         except Exception:
-            self.allocator.free(slot)
-            request.slot = None
+            for r in taken:
+                self.allocator.free(r.slot)
+                r.slot = None
             raise
-        self.running[slot] = request
-        self._accept(request, logits, exit_loop)
+        for r, (logits, exit_loop) in zip(requests, results, strict=True):
+            self.running[r.slot] = r
+            self._accept(r, logits, exit_loop)
 
-    def prefill(self, request: Request):
-        """Run the prompt of an admitted request through the model in chunks, filling the
-        caches; returns (logits [V] of the last prompt token, its exit loop)."""
+    def prefill(self, requests):
+        """Run the prompts of admitted requests (a Request or a list of at most
+        `prefill_batch`) through the model, filling the caches; returns [(logits [V] of the
+        last prompt token, its exit loop)] per request (a single pair for a single Request).
+
+        Rounds of one chunk size S each: S = min(prefill_chunk, the largest power of two <=
+        the longest remaining prompt); every request with >= S tokens left takes part, the
+        rows of one round in calls of power-of-two batch sizes (few compiled shapes). Alone,
+        a prompt is cut as `prefill_chunks` says."""
         import time
 
-        prompt = np.asarray(request.prompt, np.int32)
+        single = isinstance(requests, Request)
+        requests = [requests] if single else list(requests)
+        if len(requests) > self.prefill_batch:
+            raise ValueError(f"{len(requests)} requests exceed prefill_batch={self.prefill_batch}")
+        prompts = [np.asarray(r.prompt, np.int32) for r in requests]
         tables = jnp.asarray(self.allocator.block_tables())
-        seq_ids = jnp.asarray([request.slot], jnp.int32)
         t0 = time.perf_counter()
-        scratch_tables = None
-        if self.prefill_allocator is not None:  # the prompt's per-loop planes, for its chunks
-            slot = self.prefill_allocator.add_sequence(len(prompt))
-            self.scratch = tuple(
-                store.clear_slots([j + slot for j in range(count)])
-                for count, store in zip(self.spec.groups, self.scratch, strict=True)
-            )
-            scratch_tables = jnp.asarray(self.prefill_allocator.block_tables())
-        start = 0
-        logits = exit_loop = None
+        scratch_slots, scratch_tables = [], None
+        done = [0] * len(requests)
+        results = [None] * len(requests)
         try:
-            for size in self.prefill_chunks(len(prompt)):
-                tokens = jnp.asarray(prompt[None, start : start + size])
-                logits, exit_loop, self.stores, self.scratch = prefill_step(
-                    self.params, self.stores, self.scratch, tokens,
-                    jnp.asarray([start], jnp.int32), tables, seq_ids, scratch_tables,
-                    spec=self.spec,
-                )  # fmt: skip
-                start += size
+            if self.prefill_allocator is not None:  # the prompts' per-loop planes
+                scratch_slots = [self.prefill_allocator.add_sequence(len(p)) for p in prompts]
+                nb = self.prefill_allocator.max_seqs
+                self.scratch = tuple(
+                    store.clear_slots([j * nb + s for j in range(count) for s in scratch_slots])
+                    for count, store in zip(self.spec.groups, self.scratch, strict=True)
+                )
+                scratch_tables = jnp.asarray(self.prefill_allocator.block_tables())
+            while True:
+                left = [len(p) - d for p, d in zip(prompts, done, strict=True)]
+                if max(left) == 0:
+                    break
+                size = self._chunk_size(max(left))
+                rows = [i for i, n in enumerate(left) if n >= size]
+                while rows:
+                    part = rows[: 1 << (len(rows).bit_length() - 1)]  # a power of two
+                    rows = rows[len(part) :]
+                    tokens = np.stack([prompts[i][done[i] : done[i] + size] for i in part])
+                    ids = [requests[i].slot for i in part]
+                    scratch_ids = (
+                        None
+                        if scratch_tables is None
+                        else jnp.asarray([scratch_slots[i] for i in part], jnp.int32)
+                    )
+                    logits, exit_loop, self.stores, self.scratch = prefill_step(
+                        self.params, self.stores, self.scratch, jnp.asarray(tokens),
+                        jnp.asarray([done[i] for i in part], jnp.int32), tables,
+                        jnp.asarray(ids, jnp.int32), scratch_tables, scratch_ids,
+                        spec=self.spec,
+                    )  # fmt: skip
+                    self.stats["prefill_calls"] += 1
+                    for j, i in enumerate(part):
+                        done[i] += size
+                        if done[i] == len(prompts[i]):
+                            results[i] = (logits[j], exit_loop[j])
         finally:
-            if self.prefill_allocator is not None:
-                self.prefill_allocator.free(slot)
-        logits.block_until_ready()
+            for s in scratch_slots:
+                self.prefill_allocator.free(s)
+        results[-1][0].block_until_ready()
         self.stats["prefill_s"] += time.perf_counter() - t0
-        self.stats["prefill_tokens"] += len(prompt)
-        request.position = len(prompt)
-        return logits[0], exit_loop[0]
+        self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
+        for r, p in zip(requests, prompts, strict=True):
+            r.position = len(p)
+        return results[0] if single else results
+
+    def _chunk_size(self, remaining: int) -> int:
+        """prefill_chunk tokens while that many remain, else the largest power of two."""
+        chunk = self.prefill_chunk
+        return chunk if remaining >= chunk else 1 << (remaining.bit_length() - 1)
 
     def prefill_chunks(self, prompt_len: int) -> list[int]:
         """The chunk sizes a prompt of `prompt_len` tokens is prefilled in: prefill_chunk
         tokens while that many remain, then powers of two (few compiled shapes)."""
         sizes, rest = [], prompt_len
         while rest > 0:
-            chunk = self.prefill_chunk
-            size = chunk if rest >= chunk else 1 << (rest.bit_length() - 1)
-            sizes.append(size)
-            rest -= size
+            sizes.append(self._chunk_size(rest))
+            rest -= sizes[-1]
         return sizes
 
     def compile_steps(self, prompt_len: int) -> dict:

@@ -193,17 +193,18 @@ def _append_shared(spec, params, stores, tables, seq_ids, start, kv):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("stores", "scratch"))
-def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratch_tables, *,
-                 spec: StepSpec):  # fmt: skip
-    """Prompt chunk tokens int32 [B, T] of slots seq_ids [B] at positions start[b] .. + T ->
-    (logits [B, V] float32 of each row's last token, exit loops [B] int32, stores, scratch).
+def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratch_tables,
+                 scratch_ids=None, *, spec: StepSpec):  # fmt: skip
+    """Prompt chunk tokens int32 [B, T] of slots seq_ids [B] (B requests, one chunk of T tokens
+    each) at positions start[b] .. + T -> (logits [B, V] float32 of each row's last token,
+    exit loops [B] int32, stores, scratch).
 
     Each loop and layer: the chunk's k, v are appended, then q attends (causally) to its
     sequence's earlier tokens of that loop as the store holds them, block by block
     (`prefill_attention`), and to the chunk's own k, v raw. Shared loop_kv: the earlier
-    tokens' loop-l K/V are read from and the chunk's appended to `scratch` (slots 0..B-1,
-    tables `scratch_tables`), and the chunk's shared K/V go to `stores`; "all": scratch is
-    None (and scratch_tables ignored)."""
+    tokens' loop-l K/V are read from and the chunk's appended to `scratch` (slots scratch_ids
+    int32 [B], default 0..B-1; tables `scratch_tables`), and the chunk's shared K/V go to
+    `stores`; "all": scratch is None (scratch_tables and scratch_ids ignored)."""
     config, backend = spec.config, spec.backend
     shared = spec.loop_kv != "all"
     arch = architecture(config)
@@ -213,7 +214,12 @@ def prefill_step(params, stores, scratch, tokens, start, tables, seq_ids, scratc
     heads, kv_sum, kv = [], None, None
     per_loop = scratch if shared else stores
     loop_tables = scratch_tables if shared else tables
-    loop_ids = jnp.arange(seq_ids.shape[0], dtype=jnp.int32) if shared else seq_ids
+    if not shared:
+        loop_ids = seq_ids
+    elif scratch_ids is None:
+        loop_ids = jnp.arange(seq_ids.shape[0], dtype=jnp.int32)
+    else:
+        loop_ids = jnp.asarray(scratch_ids, jnp.int32)
     loop_spec = (
         dataclasses.replace(spec, num_pages=spec.scratch_pages, max_seqs=spec.scratch_seqs)
         if shared
