@@ -263,7 +263,10 @@ def _batched_vs_alone(model, policy, loop_kv):
         assert engine.prefill_allocator.num_free_pages == engine.prefill_allocator.num_pages
 
 
-@pytest.mark.parametrize("policy,loop_kv", [("int4-g16", "all"), ("int4-g16+win", "last")])
+@pytest.mark.parametrize(
+    "policy,loop_kv",
+    [pytest.param("int4-g16", "all", marks=pytest.mark.slow), ("int4-g16+win", "last")],
+)
 def test_prefill_of_several_requests_in_one_call_equals_alone(tiny_ouro, policy, loop_kv):
     """Requests admitted together prefill in shared calls (rows of one chunk size, each with
     its own slot and, with a shared loop_kv, its own scratch slot) and give each request's

@@ -491,8 +491,13 @@ class Engine:
         then one decode step for every running sequence. Returns the requests that finished
         in this step."""
         batch = []
-        while (self.waiting and len(batch) < self.prefill_batch
-               and self._fits(self.waiting[0])):  # fmt: skip
+        free_pages = self.allocator.num_free_pages
+        free_slots = len(self.allocator.free_slots)
+        while self.waiting and len(batch) < min(self.prefill_batch, free_slots):
+            need = self._pages_needed(self.waiting[0])
+            if need > free_pages:
+                break
+            free_pages -= need  # reserved by `_admit` below
             batch.append(self.waiting.pop(0))
         finished = []
         if batch:
@@ -504,9 +509,8 @@ class Engine:
             return finished
         return finished + self.decode_step()
 
-    def _fits(self, request: Request) -> bool:
-        need = -(-(len(request.prompt) + request.max_new_tokens) // self.page_size)
-        return bool(self.allocator.free_slots) and need <= self.allocator.num_free_pages
+    def _pages_needed(self, request: Request) -> int:
+        return -(-(len(request.prompt) + request.max_new_tokens) // self.page_size)
 
     # -- prefill and decode ------------------------------------------------------------------
 
