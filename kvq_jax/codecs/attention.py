@@ -67,6 +67,16 @@ def dense_decode_attention(q, k, v, seq_lens) -> jnp.ndarray:
     return attend(q, k, v, seq_lens)
 
 
+#: Tokens one block of pages holds by default in the blockwise paths (a block is read,
+#: attended and dropped).
+DEFAULT_BLOCK_TOKENS = 256
+
+
+def default_block_pages(page_size: int) -> int:
+    """Pages per block: `DEFAULT_BLOCK_TOKENS` tokens, at least one page."""
+    return max(1, DEFAULT_BLOCK_TOKENS // page_size)
+
+
 class OnlineSoftmax:
     """Online softmax (flash-attention style) for q [B, H, G, D] float32 (GQA: G query heads
     per KV head): the state is the running max m and sum l [B, H, G] and the rescaled

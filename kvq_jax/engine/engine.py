@@ -274,10 +274,9 @@ class Engine:
         # Shared loop_kv: a prompt being prefilled keeps every loop in a scratch pool of
         # prefill_batch sequences (its own allocator), freed when its prefill ends.
         nb = self.prefill_batch
+        scratch_pages = nb * max_pages_per_seq
         self.prefill_allocator = (
-            PageAllocator(nb * max_pages_per_seq, page_size, nb, max_pages_per_seq)
-            if shared
-            else None
+            PageAllocator(scratch_pages, page_size, nb, max_pages_per_seq) if shared else None
         )
         if self.policy.quantized:
             policies = layer_policies(self.policy, model, config.num_loops)
@@ -312,9 +311,7 @@ class Engine:
 
             self.stores = stores(self.cache_configs)
             self.scratch = (
-                stores(configs(config.num_loops, nb * max_pages_per_seq, nb, False))
-                if shared
-                else None
+                stores(configs(config.num_loops, scratch_pages, nb, False)) if shared else None
             )
         else:
             self.cache_config = None
@@ -322,7 +319,7 @@ class Engine:
             groups = (config.num_layers,)
             shape = (self.stored_loops, num_pages, page_size, *dims.values())
             self.stores = (RawStore.empty(*shape, self.dtype, config.num_layers),)
-            shape = (config.num_loops, nb * max_pages_per_seq, page_size, *dims.values())
+            shape = (config.num_loops, scratch_pages, page_size, *dims.values())
             self.scratch = (
                 (RawStore.empty(*shape, self.dtype, config.num_layers),) if shared else None
             )
@@ -331,7 +328,7 @@ class Engine:
             config=config, groups=groups, num_pages=num_pages, max_seqs=max_seqs,
             backend=backend, skip_exited=self.skip_exited,
             loop_kv=loop_kv if shared else "all",
-            scratch_pages=nb * max_pages_per_seq if shared else 0,
+            scratch_pages=scratch_pages if shared else 0,
             scratch_seqs=nb if shared else 0,
         )  # fmt: skip
         if mesh is not None:
@@ -601,7 +598,7 @@ class Engine:
         finally:
             for s in scratch_slots:
                 self.prefill_allocator.free(s)
-        results[-1][0].block_until_ready()
+        logits.block_until_ready()  # the last call's: every call before it is done
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
         for r, p in zip(requests, prompts, strict=True):

@@ -36,7 +36,7 @@ from jax import lax
 
 from kvq_jax.cache import paged_attention, paged_cache
 from kvq_jax.codecs import cache_state
-from kvq_jax.codecs.attention import OnlineSoftmax
+from kvq_jax.codecs.attention import OnlineSoftmax, default_block_pages
 from kvq_jax.codecs.cache_state import PagedKVCache
 
 __all__ = ["QuantizedStore", "RawStore", "fold_tables", "layer_ids"]
@@ -155,14 +155,14 @@ class RawStore:
     def attend(self, q, tables, seq_ids, lens, *, loop, backend, return_lse=False,
                block_pages=None):  # fmt: skip
         """q [B, Hq, D] over the first lens[b] rows of slots seq_ids in `loop`, `block_pages`
-        pages at a time (None: 256 tokens' worth), stopping after the last block any row
+        pages at a time (None: `default_block_pages`), stopping after the last block any row
         attends. float32 [B, Hq, D] (0 for lens 0), with return_lse also the log-sum-exp."""
         del backend
         _, num_pages, ps, h, d = self.k.shape
         b, hq, _ = q.shape
         rows = tables.at[seq_ids].get(mode="fill", fill_value=-1)  # [B, M]
         m_pages = rows.shape[1]
-        bp = min(max(1, 256 // ps) if block_pages is None else int(block_pages), m_pages)
+        bp = min(default_block_pages(ps) if block_pages is None else int(block_pages), m_pages)
         n_blocks = -(-m_pages // bp)
         rows = jnp.pad(rows, ((0, 0), (0, n_blocks * bp - m_pages)), constant_values=-1)
         page_ids = jnp.clip(rows, 0, num_pages - 1)

@@ -12,8 +12,8 @@ CUDA GPU >= sm80), "pallas_interpret" (the kernel body in Pallas' interpreter, a
 (static): splits of each sequence's pages (the kernel's split-K over the context; default
 `default_num_splits`); launch: the kernel's `kvq_jax.kernels.launch.Launch` (None: the rule of
 `kvq_jax.kernels.launch.paged_attention`); both ignored by "xla". block_pages (static): pages
-the XLA path decodes and attends per step (None: `xla.default_block_pages`); ignored by the
-kernel.
+the XLA path decodes and attends per step (None:
+`kvq_jax.codecs.attention.default_block_pages`); ignored by the kernel.
 """
 
 from __future__ import annotations

@@ -20,16 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from kvq_jax.codecs import cache_state
-from kvq_jax.codecs.attention import OnlineSoftmax, attend
+from kvq_jax.codecs.attention import OnlineSoftmax, attend, default_block_pages
 from kvq_jax.kernels.page_reconstruct import xla as page_xla
-
-#: Tokens one block of pages holds by default (a block is decoded, attended and dropped).
-DEFAULT_BLOCK_TOKENS = 256
-
-
-def default_block_pages(page_size: int) -> int:
-    """Pages per block: `DEFAULT_BLOCK_TOKENS` tokens, at least one page."""
-    return max(1, DEFAULT_BLOCK_TOKENS // page_size)
 
 
 def paged_decode_attention_reference(q, cache, block_tables, seq_lens, seq_ids, *, loop: int):
