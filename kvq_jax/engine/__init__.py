@@ -3,7 +3,8 @@
 `Engine(model, policy, num_pages=, page_size=, max_seqs=, max_pages_per_seq=, loop_kv=,
 skip_exited=)` owns the layers' stores (`stores`: layer groups folded into one cache each) and
 a `PageAllocator`; the jitted steps (`runner`: `prefill_step`, `decode_step`, `lax.scan` over
-layers, loop-KV sharing, exits that skip loops) run with the stores donated; greedy /
+layers, loop-KV sharing, exits that skip loops) run with the stores donated; the `scheduler`
+(priorities, pages on demand, preemption by swap to host memory); greedy /
 temperature / top-k sampling with explicit PRNG keys (`sampler`); continuous batching. See
 `kvq_jax.engine.engine` for what attention reads, and `kvq_jax.engine.generate` for
 `kvq generate`.
@@ -25,6 +26,8 @@ _EXPORTS = {
     "prefill_attention": "runner",
     "prefill_step": "runner",
     "sample": "sampler",
+    "Plan": "scheduler",
+    "Scheduler": "scheduler",
     "QuantizedStore": "stores",
     "RawStore": "stores",
 }

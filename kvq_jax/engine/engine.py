@@ -59,9 +59,11 @@ model's EOS ids; the stop token is kept in its output) or after max_new_tokens t
 Continuous batching: `decode_step` always runs all `max_seqs` slots (one compiled shape);
 free slots compute garbage that lands only in their own staging rows and lengths (their block
 table rows are -1, so no page is written) and is cleared (`clear_slot`) when a sequence joins
-that slot. A request reserves pages for prompt + max_new_tokens when it is admitted, so a
-running sequence never runs out of pages mid-generation; `submit` + `run` queue requests
-until a slot and pages are free, `add_request` admits at once or raises.
+that slot. Pages are taken on demand: admission takes the prompt's pages and one more row,
+each decode step grows a sequence by the row it writes. `submit` + `step` / `run` go through
+the `Scheduler` (`kvq_jax.engine.scheduler`: priorities, preemption by swapping a
+sequence's K/V to host memory and back, byte for byte); `add_request` admits at once or
+raises; `fork` starts a new request on a running one's tokens, sharing its complete pages.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ from kvq_jax.core.policies import (
 )
 from kvq_jax.engine.runner import LOOP_KV, StepSpec, decode_step, prefill_step
 from kvq_jax.engine.sampler import sample
-from kvq_jax.engine.stores import QuantizedStore, RawStore
+from kvq_jax.engine.scheduler import Scheduler
+from kvq_jax.engine.stores import QuantizedStore, RawStore, sequence_ids
 from kvq_jax.models.config import ModelConfig
 
 __all__ = [
@@ -137,7 +140,8 @@ class Request:
     while running, "stop" (a stop id) or "length" (max_new_tokens); exit_loops: the loop each
     generated token's logits came from; logits: float32 [V] per generated token when
     keep_logits (the distribution it was sampled from); forced: teacher forcing, the ids
-    that become the generated tokens whatever the logits (None: sampled).
+    that become the generated tokens whatever the logits (None: sampled); priority: the
+    scheduler's rank (smaller first, then arrival); preemptions: times it was swapped out.
     """
 
     prompt: list[int]
@@ -154,6 +158,9 @@ class Request:
     exit_loops: list[int] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    priority: int = 0
+    arrival: int = 0
+    preemptions: int = 0
 
     @property
     def done(self) -> bool:
@@ -169,6 +176,12 @@ def _key_data(key, seed) -> np.ndarray:
     if key.shape != (2,):
         raise ValueError(f"key must be a raw uint32[2] PRNG key, got shape {key.shape}")
     return key
+
+
+def _check_priority(priority) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+        raise ValueError(f"priority must be an int (smaller runs first), got {priority!r}")
+    return int(priority)
 
 
 def _shard(stores, params, mesh, axis: str):
@@ -339,10 +352,27 @@ class Engine:
         self.default_stop_ids = frozenset(
             () if eos is None else (eos if isinstance(eos, tuple) else (eos,))
         )
-        self.running: dict[int, Request] = {}  # slot -> request
-        self.waiting: list[Request] = []
+        #: admission, priorities, preemption (`kvq_jax.engine.scheduler`)
+        self.scheduler = Scheduler(self.allocator, self.prefill_batch)
+        self._host_kv: dict = {}  # swapped-out request -> (K/V rows per store, pages held)
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
-                      "decode_steps": 0, "decode_loops": 0, "prefill_calls": 0}  # fmt: skip
+                      "decode_steps": 0, "decode_loops": 0, "prefill_calls": 0,
+                      "preemptions": 0, "swap_bytes": 0, "forks": 0}  # fmt: skip
+
+    @property
+    def running(self) -> dict[int, Request]:
+        """slot -> the request running there."""
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Requests queued, not started."""
+        return self.scheduler.waiting
+
+    @property
+    def swapped(self) -> list[Request]:
+        """Requests preempted, their K/V in host memory until they resume."""
+        return self.scheduler.swapped
 
     # -- sizes ----------------------------------------------------------------------------------
 
@@ -399,9 +429,11 @@ class Engine:
         stop_ids=None,
         keep_logits: bool = False,
         forced_tokens=None,
+        priority: int = 0,
     ) -> Request:
         """A validated `Request` (ValueError: empty prompt, token ids outside the vocabulary,
-        prompt + max_new_tokens longer than a sequence or the whole pool).
+        prompt + max_new_tokens longer than a sequence or the whole pool, a priority that
+        is not an int; smaller priorities run first).
 
         forced_tokens: teacher forcing: max_new_tokens ids that are fed (and recorded) in turn
         instead of sampled ones, each after the logits that predict it are computed (with
@@ -430,6 +462,7 @@ class Engine:
             )
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        _check_priority(priority)
         stops = self.default_stop_ids if stop_ids is None else frozenset(int(s) for s in stop_ids)
         forced = None
         if forced_tokens is not None:
@@ -453,6 +486,7 @@ class Engine:
             stop_ids=stops,
             keep_logits=keep_logits,
             forced=forced,
+            priority=int(priority),
         )
 
     def add_request(self, prompt, **kwargs) -> Request:
@@ -461,20 +495,21 @@ class Engine:
         or `make_request`'s) with nothing changed."""
         request = prompt if isinstance(prompt, Request) else self.make_request(prompt, **kwargs)
         self._admit(request)
+        self.scheduler.stamp(request)
         return request
 
     def submit(self, prompt, **kwargs) -> Request:
         """Queue a request (validated now); `step` / `run` admit it when a slot and pages are
         free."""
         request = self.make_request(prompt, **kwargs)
-        self.waiting.append(request)
+        self.scheduler.add(request)
         return request
 
     def run(self, requests=None) -> list[Request]:
         """Step until every queued and running request is done; returns `requests` (default:
         the ones finished by this call, in finishing order)."""
         finished = []
-        while self.waiting or self.running:
+        while self.scheduler.busy:
             finished += self.step()
         return finished if requests is None else list(requests)
 
@@ -484,30 +519,130 @@ class Engine:
         return self.run(requests)
 
     def step(self) -> list[Request]:
-        """Admit queued requests that fit (in order, up to `prefill_batch`, prefilled together),
-        then one decode step for every running sequence. Returns the requests that finished
-        in this step."""
-        batch = []
-        free_pages = self.allocator.num_free_pages
-        free_slots = len(self.allocator.free_slots)
-        while self.waiting and len(batch) < min(self.prefill_batch, free_slots):
-            need = self._pages_needed(self.waiting[0])
-            if need > free_pages:
-                break
-            free_pages -= need  # reserved by `_admit` below
-            batch.append(self.waiting.pop(0))
+        """One scheduler step (`Scheduler.schedule`): preempt (swap out) what the pool cannot
+        grow, resume swapped-out requests and admit queued ones (up to `prefill_batch`,
+        prefilled together), then one decode step for every running sequence (which grows
+        them). Returns the requests that finished in this step."""
+        plan = self.scheduler.schedule()
+        for r in plan.preempt:
+            self._swap_out(r)
+        for r in plan.resume:
+            self._swap_in(r)
         finished = []
-        if batch:
-            self._admit(batch)
-            finished = [r for r in batch if r.done]
+        if plan.admit:
+            self._admit(plan.admit)
+            finished = [r for r in plan.admit if r.done]
         if not self.running:
-            if self.waiting:  # validated against the pool: it fits once others leave
+            if self.scheduler.busy:  # validated against the pool: it fits once others leave
                 raise RuntimeError("queued request cannot be admitted into an idle engine")
             return finished
         return finished + self.decode_step()
 
-    def _pages_needed(self, request: Request) -> int:
-        return -(-(len(request.prompt) + request.max_new_tokens) // self.page_size)
+    # -- preemption and forks ----------------------------------------------------------------
+
+    def _group_ids(self, slot: int, pages):
+        """Per store: (folded slots, folded pages) of one sequence."""
+        return [
+            sequence_ids(
+                slot,
+                pages,
+                layers=count,
+                num_pages=self.allocator.num_pages,
+                max_seqs=self.max_seqs,
+            )
+            for count in self.spec.groups
+        ]
+
+    def _swap_out(self, request: Request) -> None:
+        """Copy a request's K/V (its pages and slot rows, every store) to host memory and give
+        its slot and pages back (`Scheduler.schedule` took it off the running set)."""
+        pages = self.allocator.pages(request.slot)
+        rows = [store.take(slots, ids) for store, (slots, ids) in
+                zip(self.stores, self._group_ids(request.slot, pages), strict=True)]  # fmt: skip
+        self._host_kv[request] = (rows, len(pages))
+        self.allocator.free(request.slot)
+        request.slot = None
+        request.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.stats["swap_bytes"] += sum(a.nbytes for r in rows for a in r.values())
+
+    def _swap_in(self, request: Request) -> None:
+        """A slot and pages for a swapped-out request (its position + 1 tokens) and its K/V
+        written back into them, byte for byte."""
+        rows, n = self._host_kv.pop(request)
+        slot = self.allocator.add_sequence(request.position + 1)
+        pages = self.allocator.pages(slot)[:n]
+        self.stores = tuple(
+            store.put(r, slots, ids)
+            for store, r, (slots, ids) in zip(
+                self.stores, rows, self._group_ids(slot, pages), strict=True
+            )
+        )
+        request.slot = slot
+        self.running[slot] = request
+
+    def fork(self, request: Request, *, max_new_tokens: int | None = None, seed: int = 0,
+             key=None, temperature: float | None = None, top_k: int | None = None,
+             priority: int | None = None) -> Request:  # fmt: skip
+        """A new running request that continues `request` (running) from its tokens so far:
+        the same prompt and generated tokens, sharing its complete pages (reference-counted,
+        never written again; the partial page is copied). Options not given are the
+        parent's; the child samples with its own key (seed / key) from here on, so a greedy
+        fork generates what the parent does. ValueError (no slot, out of pages, the request
+        not running, bad options), nothing changed."""
+        if request.slot is None or self.running.get(request.slot) is not request:
+            raise ValueError("fork: the request is not running (queued, swapped out or done)")
+        temperature = request.temperature if temperature is None else float(temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        max_new_tokens = request.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= len(request.tokens):
+            raise ValueError(f"max_new_tokens must be an int > the {len(request.tokens)} tokens "
+                             f"generated so far, got {max_new_tokens!r}")  # fmt: skip
+        if len(request.prompt) + max_new_tokens > self.max_tokens_per_seq:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: the sequence would exceed "
+                             f"{self.max_tokens_per_seq} tokens")  # fmt: skip
+        priority = request.priority if priority is None else _check_priority(priority)
+        child = dataclasses.replace(
+            request,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=request.top_k if top_k is None else int(top_k),
+            key=_key_data(key, seed),
+            tokens=list(request.tokens),
+            exit_loops=list(request.exit_loops),
+            logits=list(request.logits),
+            priority=priority,
+            preemptions=0,
+            slot=None,
+        )
+        n = request.position
+        parent_pages = self.allocator.pages(request.slot)
+        slot = self.allocator.fork(request.slot, n)  # raises with nothing changed
+        try:
+            self.allocator.reserve(slot, n + 1)
+        except ValueError:
+            self.allocator.free(slot)
+            raise
+        child_pages = self.allocator.pages(slot)
+        self.stores = tuple(
+            store.fork(
+                request.slot,
+                slot,
+                n,
+                parent_pages,
+                child_pages,
+                layers=count,
+                num_pages=self.allocator.num_pages,
+                max_seqs=self.max_seqs,
+            )
+            for count, store in zip(self.spec.groups, self.stores, strict=True)
+        )
+        child.slot = slot
+        self.scheduler.stamp(child)
+        self.running[slot] = child
+        self.stats["forks"] += 1
+        return child
 
     # -- prefill and decode ------------------------------------------------------------------
 
@@ -520,8 +655,8 @@ class Engine:
                 raise ValueError("request was already admitted")
         taken = []
         try:
-            for r in requests:
-                r.slot = self.allocator.add_sequence(len(r.prompt) + r.max_new_tokens)
+            for r in requests:  # the prompt and the row the first decode writes
+                r.slot = self.allocator.add_sequence(len(r.prompt) + 1)
                 taken.append(r)
             slots = [r.slot for r in requests]
             self.stores = tuple(
@@ -656,6 +791,7 @@ class Engine:
 
         if not self.running:
             return []
+        self._grow()
         s = self.max_seqs
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
@@ -688,6 +824,23 @@ class Engine:
             if r.done:
                 finished.append(r)
         return finished
+
+    def _grow(self) -> None:
+        """Pages for the row each running sequence writes next (its position); ValueError
+        "out of pages", nothing changed, when the pool cannot hold them all (`step`
+        preempts first, so only direct `decode_step` callers see it)."""
+        ps = self.page_size
+        need = {s: -(-(r.position + 1) // ps) - len(self.allocator.pages(s))
+                for s, r in self.running.items()}  # fmt: skip
+        total = sum(max(0, n) for n in need.values())
+        if total > self.allocator.num_free_pages:
+            raise ValueError(
+                f"out of pages: the running sequences need {total} more page(s), "
+                f"{self.allocator.num_free_pages} free (step() preempts; decode_step does not)"
+            )
+        for s, r in self.running.items():
+            if need[s] > 0:
+                self.allocator.reserve(s, r.position + 1)
 
     def _sample_rows(self, requests, logits) -> np.ndarray:
         keys = np.stack([r.key for r in requests])

@@ -16,6 +16,10 @@ Both stores implement the same operations (no `isinstance` at the call sites):
     store.attend(q, tables, seq_ids, lens, loop=..., backend=..., return_lse=False)
         -> float32 [B, Hq, D] (and with return_lse its log-sum-exp [B, Hq])
     store.clear_slots(slots) -> store
+    store.fork(parent, child, num_tokens, parent_pages, child_pages, layers=, num_pages=,
+               max_seqs=) -> store
+    store.take(slots, pages) -> {name: host array}       (swap out: a sequence's rows)
+    store.put(rows, slots, pages) -> store               (swap in, byte for byte)
 
 with k, v [B, n, H, D] at positions start[b] .. + n, q [B, Hq, D] (any number of query heads
 per KV head: prefill passes a chunk's T queries as T x G heads), tables the folded block
@@ -28,10 +32,12 @@ unquantized K/V ("bf16" policy) in the model's compute dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kvq_jax.cache import paged_attention, paged_cache
@@ -39,7 +45,7 @@ from kvq_jax.codecs import cache_state
 from kvq_jax.codecs.attention import OnlineSoftmax, default_block_pages
 from kvq_jax.codecs.cache_state import PagedKVCache
 
-__all__ = ["QuantizedStore", "RawStore", "fold_tables", "layer_ids"]
+__all__ = ["QuantizedStore", "RawStore", "fold_tables", "layer_ids", "sequence_ids"]
 
 
 def fold_tables(tables, num_layers: int, num_pages: int):
@@ -54,6 +60,59 @@ def fold_tables(tables, num_layers: int, num_pages: int):
 def layer_ids(seq_ids, layer, max_seqs: int):
     """Slots int32 [B] of layer `layer` (traced int) of a group: seq_ids + layer * max_seqs."""
     return jnp.asarray(seq_ids, jnp.int32) + jnp.asarray(layer, jnp.int32) * max_seqs
+
+
+def sequence_ids(slot: int, pages, *, layers: int, num_pages: int, max_seqs: int):
+    """The folded slots int32 [layers] and pages int32 [layers * len(pages)] (layer-major) of
+    one sequence of a group of `layers` layers: slot + j * max_seqs, pages + j * num_pages."""
+    pages = np.asarray(pages, np.int32)
+    j = np.arange(layers, dtype=np.int32)
+    return slot + j * max_seqs, (pages[None] + (j * num_pages)[:, None]).reshape(-1)
+
+
+def _padded(ids, fill: int):
+    """int32 ids padded with `fill` (out of range: dropped by the writes) to a power of two,
+    so that swaps of any length share a few compiled shapes."""
+    ids = np.asarray(ids, np.int32)
+    size = 1 << max(0, int(ids.size - 1).bit_length())
+    return jnp.asarray(np.pad(ids, (0, size - ids.size), constant_values=fill))
+
+
+def _take_axis(a, ids, axis: int):
+    return jnp.take(a, ids, axis=axis, mode="clip")
+
+
+def _put_axis(a, ids, values, axis: int):
+    """a with a[(:,) * axis + (ids,)] = values; ids past the end dropped. A delta plane
+    ([L - 1, P, ...], axis 1) is written one loop at a time (a scatter at (:, ids) transposes
+    the values and runs ~5x slower on XLA:CPU)."""
+    if axis == 0:
+        return a.at[ids].set(values, mode="drop")
+    for r in range(a.shape[0]):
+        a = a.at[r, ids].set(values[r], mode="drop")
+    return a
+
+
+@jax.jit
+def _take_cache(cache, slots, pages):
+    rows = {name: _take_axis(a, pages, axis) for name, axis, a in cache.page_arrays()}
+    rows.update((name, _take_axis(a, slots, 1)) for name, a in cache.slot_arrays())
+    return rows
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_cache(cache, rows, slots, pages):
+    new = {name: _put_axis(a, pages, rows[name], axis) for name, axis, a in cache.page_arrays()}
+    new.update(
+        (name, a.at[:, slots].set(rows[name], mode="drop")) for name, a in cache.slot_arrays()
+    )
+    return cache.with_arrays(new)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_pages(store, src, dst):
+    """RawStore with pages dst = pages src (every loop plane)."""
+    return RawStore(*(a.at[:, dst].set(a[:, src]) for a in (store.k, store.v)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +149,48 @@ class QuantizedStore:
     def clear_slots(self, slots):
         """Empty the folded slots `slots` (ints) for a new sequence (`paged_cache.clear_slot`)."""
         return QuantizedStore(paged_cache.clear_slot(self.cache, slot=list(slots)))
+
+    def fork(self, parent, child, num_tokens, parent_pages, child_pages, *, layers, num_pages,
+             max_seqs):  # fmt: skip
+        """Sequence `child` starts on the first num_tokens tokens of `parent` (allocator slots)
+        in every layer: `paged_cache.fork` per layer (the shared complete pages are the
+        allocator's; the partial page lives in the staging rows, copied). In place."""
+        del parent_pages, child_pages
+        cache = self.cache
+        for j in range(layers):
+            cache = paged_cache.fork(cache, parent=parent + j * max_seqs,
+                                     child=child + j * max_seqs, num_tokens=num_tokens)  # fmt: skip
+        return QuantizedStore(cache)
+
+    def take(self, slots, pages) -> dict:
+        """Host copies of folded slots `slots` and pages `pages` (`sequence_ids`): every page
+        array ([n, ...] base, [L - 1, n, ...] delta) and slot array ([L, len(slots), ...])."""
+        n = len(pages)
+        fill = self.cache.config.num_pages
+        rows = jax.device_get(_take_cache(self.cache, _padded(slots, 0), _padded(pages, fill)))
+        out = {}
+        for name, axis, _ in self.cache.page_arrays():
+            out[name] = np.asarray(rows[name])[(slice(None),) * axis + (slice(0, n),)]
+        for name, _ in self.cache.slot_arrays():
+            out[name] = np.asarray(rows[name][:, : len(slots)])
+        return out
+
+    def put(self, rows: dict, slots, pages):
+        """Write `take`'s rows into folded slots `slots` and pages `pages` (any free ones, in
+        the same order), byte for byte. In place."""
+        cache = self.cache
+        slot_ids = _padded(slots, cache.config.max_seqs)
+        page_ids = _padded(pages, cache.config.num_pages)
+
+        def pad(a, axis, size):
+            widths = [(0, 0)] * a.ndim
+            widths[axis] = (0, size - a.shape[axis])
+            return np.pad(a, widths)
+
+        padded = {name: pad(rows[name], axis, page_ids.size)
+                  for name, axis, _ in cache.page_arrays()}  # fmt: skip
+        padded.update((name, pad(rows[name], 1, slot_ids.size)) for name, _ in cache.slot_arrays())
+        return QuantizedStore(_put_cache(cache, padded, slot_ids, page_ids))
 
     def layer(self, j: int, num_pages: int, max_seqs: int) -> PagedKVCache:
         """A copy of layer j's cache as a standalone PagedKVCache (P pages, S slots)."""
@@ -188,6 +289,40 @@ class RawStore:
         del slots  # no per-slot state: a slot's rows are its pages
         return self
 
+    def fork(self, parent, child, num_tokens, parent_pages, child_pages, *, layers, num_pages,
+             max_seqs):  # fmt: skip
+        """The child's own pages (past the shared complete ones) get the parent's rows: the
+        partial page, copied (copy-on-write). In place."""
+        del parent, child, max_seqs
+        first = num_tokens // self.k.shape[2]  # complete pages: shared, not copied
+        last = -(-num_tokens // self.k.shape[2])  # the partial page, if any
+        src = np.asarray(parent_pages[first:last], np.int32)
+        dst = np.asarray(child_pages[first:last], np.int32)
+        if not src.size:
+            return self
+        _, src = sequence_ids(0, src, layers=layers, num_pages=num_pages, max_seqs=0)
+        _, dst = sequence_ids(0, dst, layers=layers, num_pages=num_pages, max_seqs=0)
+        return _copy_pages(self, jnp.asarray(src), jnp.asarray(dst))
+
+    def take(self, slots, pages) -> dict:
+        """Host copies of pages `pages` (every loop plane): {"k", "v": [loops, n, ...]}."""
+        del slots
+        n = len(pages)
+        ids = _padded(pages, self.k.shape[1])
+        rows = jax.device_get({"k": _take_axis(self.k, ids, 1), "v": _take_axis(self.v, ids, 1)})
+        return {name: np.asarray(a[:, :n]) for name, a in rows.items()}
+
+    def put(self, rows: dict, slots, pages):
+        """Write `take`'s rows into pages `pages`, byte for byte. In place."""
+        del slots
+        ids = _padded(pages, self.k.shape[1])
+        size = ids.size
+
+        def pad(a):
+            return np.pad(a, [(0, 0), (0, size - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+
+        return _put_raw(self, pad(rows["k"]), pad(rows["v"]), ids)
+
     def layer(self, j: int, num_pages: int, max_seqs: int) -> RawStore:
         """A copy of layer j's K/V: k, v [loops, P, page_size, H, D]."""
         del max_seqs
@@ -211,6 +346,11 @@ class RawStore:
 
         spec = NamedSharding(mesh, P(None, None, None, axis))
         return RawStore(spec, spec)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_raw(store, k, v, ids):
+    return RawStore(store.k.at[:, ids].set(k, mode="drop"), store.v.at[:, ids].set(v, mode="drop"))
 
 
 jax.tree_util.register_dataclass(QuantizedStore, data_fields=["cache"], meta_fields=[])
