@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
-# One GPU check (one H100/H200, < 10 min): install the CUDA jax build, run the kernel tests on
-# the GPU and the three kernel benchmarks at a short setting, write ONE JSON of results.
+# One GPU check on the lent machine as it is (Python 3.12, its own jax / torch / triton, no
+# package index): kvq runs from this working tree (PYTHONPATH); nothing is installed or fetched.
+# Kernel tests on the GPU, the three kernel benchmarks, the kernels' compiled resources: one
+# JSON, one table (bench/gpu_check.py says what each step does).
 #
-#   bash bench/gpu_check.sh [gpu_check.json] [more bench/gpu_check.py options]
+#   bash bench/gpu_check.sh [gpu_check.json] [--dry-run] [more bench/gpu_check.py options]
 #
-# Run from a checkout with kvq installed (pip install -e ".[test]"), in the environment to
-# test; the install line is bench/gpu_check.py's INSTALL_LINE (`--install-line` prints it).
+# --dry-run: every step on the CPU at the smallest settings (CI runs it on the device's stack).
+# PYTHON=/path/to/python picks the interpreter (default: python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu_check.json}"
 [ $# -gt 0 ] && shift
-
-install_line="$(python bench/gpu_check.py --install-line)"
-echo "+ ${install_line}"
-eval "${install_line}"
-unset JAX_PLATFORMS  # the GPU, not the CPU
-python bench/gpu_check.py --out "${out}" "$@"
+export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
+exec "${PYTHON:-python3}" bench/gpu_check.py --out "${out}" "$@"

@@ -17,7 +17,9 @@ Effective bandwidth = (bytes read + bytes written) / median time: the bf16 pages
 every packed array (codes, scales, NVFP4 page global scales); NVFP4's second read of each
 page (from L2) is not counted. On a GPU whose peak memory bandwidth is known (H200 4.8 TB/s,
 H100 SXM 3.35 TB/s, RTX 5090 1.79 TB/s) the "% peak" column divides by it; elsewhere GB/s
-only. "vs xla" is the XLA time over this backend's time for the same case.
+only. "vs xla" is the XLA time over this backend's time for the same case. The last row
+copies the bf16 pages of one call (read + write, `_timing.copy_baseline`): the bandwidth a
+memory-bound pack is measured against.
 """
 
 from __future__ import annotations
@@ -104,7 +106,29 @@ def bench(args, warmup: int, repeats: int) -> list[dict]:
             del pages
             print(f"  {rows[-1]['case']} page {spec.page_size} {label}: {t.median_ms:.3f} ms",
                   flush=True)  # fmt: skip
+    rows.append(copy_row(args.tokens, warmup, repeats, peak))
     return rows
+
+
+def copy_row(tokens: int, warmup: int, repeats: int, peak: float | None) -> dict:
+    """A device-to-device copy of the bf16 pages one call packs (read + write): the bandwidth
+    a memory-bound pack is measured against."""
+    x = jnp.ones((tokens, 16, 128), jnp.bfloat16)
+    fn, fargs = _timing.copy_baseline(x)
+    t = _timing.median_time(fn, *fargs, warmup=warmup, repeats=repeats, budget_s=3.0)
+    bw = _timing.gbps(2 * x.nbytes, t.median_s)
+    print(f"  copy of the bf16 pages: {t.median_ms:.3f} ms", flush=True)
+    return dict(
+        case="copy (bf16 pages)",
+        page=None,
+        backend="xla",
+        pages=None,
+        mb=2 * x.nbytes / 1e6,
+        ms=t.median_ms,
+        gbps=bw,
+        peak_pct=None if peak is None else 100 * bw * 1e9 / peak,
+        vs_xla=None,
+    )
 
 
 def main(argv=None) -> int:

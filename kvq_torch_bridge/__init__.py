@@ -20,6 +20,7 @@ import importlib
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.constants import DEFAULT_AXIS, KINDS
 from kvq_jax.core.window import Window
+from kvq_torch_bridge import serving
 from kvq_torch_bridge.cache import paged, paged_attention, paged_cache
 from kvq_torch_bridge.cache.paged import pack_paged, unpack_paged
 from kvq_torch_bridge.cache.paged_attention import dense_decode_attention, paged_decode_attention
@@ -32,19 +33,16 @@ from kvq_torch_bridge.codecs.loops import LoopCode, decode_loop, decode_loops, e
 from kvq_torch_bridge.codecs.packed import KVResidual, PackedKV, WindowedKV
 from kvq_torch_bridge.codecs.registry import CODECS, get_codec, register_codec, unregister_codec
 from kvq_torch_bridge.codecs.residual import decode_residual, encode_residual, validate_positions
-
-#: vLLM `kv_cache_dtype` string -> kvq format name: the one place the names are mapped.
-KV_CACHE_DTYPES = {"int4": "int4", "nvfp4": "nvfp4", "fp8_e4m3": "fp8_e4m3"}
+from kvq_torch_bridge.serving import KV_CACHE_DTYPES
 
 
 def format_for_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    """The kvq format for a vLLM `--kv-cache-dtype` value ("int4", "nvfp4", "fp8_e4m3")."""
-    try:
-        return KV_CACHE_DTYPES[kv_cache_dtype]
-    except KeyError:
-        raise ValueError(
-            f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
-        ) from None
+    """The kvq format a `kv_cache_dtype` stores K in (`kvq_torch_bridge.serving`'s names:
+    "int4", "nvfp4", "kvq:fp8", ...); ValueError for raw, unknown and refused names."""
+    policy = serving.policy_for_kv_cache_dtype(kv_cache_dtype)
+    if policy is None:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} stores raw rows, no kvq format")
+    return policy.formats("key")[0]
 
 
 #: Names of the DLPack bridge, imported (with JAX) on first use.

@@ -182,11 +182,12 @@ def test_bad_arguments():
 
 
 def test_vllm_kv_cache_dtype_names():
-    for name in ("int4", "nvfp4", "fp8_e4m3"):
+    for name in ("int4", "nvfp4", "kvq:fp8"):
         assert kt.format_for_kv_cache_dtype(name) in kq.CODECS
         assert kt.format_for_kv_cache_dtype(name) in kt.CODECS
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        kt.format_for_kv_cache_dtype("fp8_e5m2")
+    for refused in ("fp8_e5m2", "fp8_e4m3", "fp8", "bfloat16"):  # vLLM's fp8: other bytes
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            kt.format_for_kv_cache_dtype(refused)
 
 
 def test_torch_codec_passes_the_shared_vectors():

@@ -34,11 +34,15 @@ FORBIDDEN = {
     "engine": ("torch",),
     "torch_codecs": ("jax", "jaxlib"),
     "torch_cache": ("jax", "jaxlib"),
+    "torch_serving": ("jax", "jaxlib"),
 }
 
 
 #: What each package root may re-export from (kvq_jax's root is lazy and imports nothing).
-ROOT_IMPORTS = {"kvq_jax": (), "kvq_torch_bridge": ("neutral", "torch_codecs", "torch_cache")}
+ROOT_IMPORTS = {
+    "kvq_jax": (),
+    "kvq_torch_bridge": ("neutral", "torch_codecs", "torch_cache", "torch_serving"),
+}
 FORBIDDEN["kvq_jax"] = ("jax", "jaxlib", "torch")
 FORBIDDEN["kvq_torch_bridge"] = ("jax", "jaxlib")
 
@@ -177,6 +181,7 @@ LAYERS = (
     "cache",
     "torch_codecs",
     "torch_cache",
+    "torch_serving",
     "engine",
     "top",
 )

@@ -18,9 +18,11 @@ path, an explicit override); XLA is pointed at its CUDA root (`xla_gpu_cuda_data
 every compile, so XLA and the resource report use the same binary. Run with
 JAX_PLATFORMS=cpu (nothing runs on a device).
 
-Limit: with no GPU visible, Pallas lowers as for compute capability 9.0 whatever the target
-(`jax/_src/pallas/triton/pallas_call_registration.py`), so a lowering decision keyed on the
-capability is taken as for sm_90; XLA then compiles that IR for the target's architecture.
+The lowering is traced inside `kvq_jax.kernels.jax_compat.gpu_target` of the target's compute
+capability. jax >= 0.11 then lowers for exactly that capability; jax 0.10 lowers as for 9.0
+whatever the target (`jax/_src/pallas/triton/pallas_call_registration.py`), so there a
+lowering decision keyed on the capability is taken as for sm_90, and XLA compiles that IR for
+the target's architecture.
 
 Kernel configurations (`kernel_configs`): one `KernelConfig` per (kernel, arg_specs entry,
 kind), each able to build its jittable function and abstract arguments for given compiler
@@ -47,11 +49,23 @@ from typing import Any
 # skipped (it has to be set before jax's first backend initialization to count).
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
+
+def _jax_version() -> str:
+    """The installed jax's version, without importing jax (the CUDA plugin must match it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("jax")
+    except metadata.PackageNotFoundError:
+        return "0.10.2"
+
+
 #: The pinned ptxas: PyPI `nvidia-cuda-nvcc` of this version (with `nvidia-nvvm` for libdevice).
 PINNED_NVCC = "13.5.37"
-#: The line that installs what the `cuda_compile` tests need (CI: `.ci/run` before pytest).
+#: The line that installs what the `cuda_compile` tests need beside the installed jax (the
+#: plugin of jax's own version; `.ci/run` installs it through the `cuda-compile` extra).
 INSTALL_LINE = (
-    "pip install jax-cuda13-plugin==0.10.2 "
+    f"pip install jax-cuda13-plugin=={_jax_version()} "
     f"nvidia-cuda-nvcc=={PINNED_NVCC} nvidia-nvvm=={PINNED_NVCC}"
 )
 
@@ -349,14 +363,19 @@ def compile_for_target(
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from kvq_jax.kernels import jax_compat
+
     mesh = _mesh(arch)
     sharding = NamedSharding(mesh, PartitionSpec())
     own_dir = dump_dir is None
     dump_dir = dump_dir or tempfile.mkdtemp(prefix=f"kvq-{arch}-")
     try:
-        lowered = jax.jit(fn, in_shardings=sharding).trace(*args).lower()
+        target = TARGETS[arch]
+        with jax_compat.gpu_target((target.major, target.minor)):
+            lowered = jax.jit(fn, in_shardings=sharding).trace(*args).lower()
         try:
-            options = {"xla_dump_to": dump_dir}
+            # every emitter's PTX (jax >= 0.11 dumps the Triton kernels' PTX only when asked)
+            options = {"xla_dump_to": dump_dir, "xla_dump_emitter_re": ".*"}
             root = cuda_data_dir()
             if root:  # the pinned ptxas and libdevice, whatever XLA_FLAGS said at start-up
                 options["xla_gpu_cuda_data_dir"] = root

@@ -5,9 +5,13 @@ backends fill it in; pass `launch=Launch(...)` to a kernel's public function to 
 The rules keep every configuration the kernels take free of register spills on sm_80,
 sm_90a and sm_120a (ptxas 13.5; `kvq_jax.kernel_checks.cuda_compile`, docs/kernel_resources.md):
 
-  page pack        4 warps, 1 stage: a [64, 128] tile is 64 elements per thread; each program
-                   handles one tile (INT4/FP8) or two passes over a page's heads (NVFP4), so
-                   there is nothing to prefetch.
+  page pack        1 stage: each program handles one tile (INT4/FP8) or two passes over a
+                   page's heads (NVFP4), so there is nothing to prefetch. 4 warps below
+                   page_size * head_dim = 4096 elements, 8 from there: with 4 warps, under the
+                   Triton of jax 0.11 / 0.12, the NVFP4 key pack of float32 [64, 128] pages
+                   reached 255 registers and spilled 4-12 bytes, the NVFP4 value pack of
+                   float16 [64, 64] pages spilled 8-16 bytes at 128 registers (sm_90a /
+                   sm_120a); 8 warps: 0 spills on 0.10.2, 0.11.2 and 0.12.0.1.
   page reconstruct page_size * head_dim / 1024 warps (32 tile elements per thread), at least
                    4; 1 stage (one tile per program). 2 warps spilled up to 26 KB.
   paged attention  group G = Hq / H < 8 (scores as a broadcast multiply-sum): 4 warps, 2
@@ -28,6 +32,8 @@ DOT_MIN_GROUP = 8
 #: Page-reconstruction tile elements per thread, and the fewest warps.
 RECONSTRUCT_ELEMENTS_PER_THREAD = 32
 RECONSTRUCT_MIN_WARPS = 4
+#: Page-pack tiles of at least this many elements (page_size * head_dim) take 8 warps.
+PACK_WIDE_TILE = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +61,7 @@ def check_launch(launch) -> Launch | None:
 
 def page_pack(page_size: int, head_dim: int) -> Launch:
     """The page-pack kernel's launch for pages of page_size x head_dim (per head)."""
-    del page_size, head_dim
-    return Launch(num_warps=4, num_stages=1)
+    return Launch(num_warps=8 if page_size * head_dim >= PACK_WIDE_TILE else 4, num_stages=1)
 
 
 def page_reconstruct(page_size: int, head_dim: int) -> Launch:

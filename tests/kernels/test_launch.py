@@ -14,6 +14,7 @@ from kvq_jax.core.cache_config import resolve_paged
 from kvq_jax.kernel_checks.arg_specs import page_pack as pack_specs
 from kvq_jax.kernel_checks.arg_specs import page_reconstruct as reconstruct_specs
 from kvq_jax.kernels import launch
+from kvq_jax.kernels.jax_compat import lower_for_gpu
 from kvq_jax.kernels.launch import Launch
 from kvq_jax.kernels.page_pack import api as pack_api
 from kvq_jax.kernels.page_pack import pallas_triton
@@ -34,12 +35,12 @@ def _lower_reconstruct(spec, launch_):
         reconstruct_kernel.decode_pages, loop=spec.loop, interpret=False, launch=launch_
     )
     args = (cache.k_base, cache.k_delta if spec.loop else None, spec.page_ids(8))
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_gpu(fn, *args).as_text()
 
 
 def test_rules():
     """The measured spill-free rules (docs/kernel_resources.md)."""
-    assert launch.page_pack(64, 128) == Launch(4, 1)
+    assert launch.page_pack(64, 64) == Launch(8, 1) and launch.page_pack(16, 128) == Launch(4, 1)
     assert launch.page_reconstruct(16, 64) == Launch(4, 1)  # at least 4 warps
     assert launch.page_reconstruct(64, 128) == Launch(8, 1)  # 32 tile elements per thread
     assert launch.paged_attention(1, 128) == Launch(4, 2)  # broadcast scores (Ouro: G = 1)
@@ -64,7 +65,7 @@ def test_page_pack_override_reaches_the_kernel():
     for launch_, want in ((None, (4, 1)), (Launch(8, 2), (8, 2))):
         fn = functools.partial(pallas_triton.pack_paged, axis=axis, group_size=group,
                                launch=launch_, **kwargs)  # fmt: skip
-        text = jax.jit(fn).trace(spec.shape_dtype_struct(3)).lower(lowering_platforms=("cuda",))
+        text = lower_for_gpu(fn, spec.shape_dtype_struct(3))
         assert _lowered_params(text.as_text()) == want
 
 

@@ -33,6 +33,7 @@ from kvq_jax.codecs.residual import encode_residual
 from kvq_jax.core import registry
 from kvq_jax.kernel_checks.arg_specs import page_pack as arg_specs
 from kvq_jax.kernels import backend as kernel_backend
+from kvq_jax.kernels.jax_compat import lower_for_gpu
 from kvq_jax.kernels.page_pack import api, config_support, pallas_triton
 from kvq_jax.kernels.page_pack import xla as page_pack_xla
 
@@ -274,7 +275,7 @@ def test_kernel_lowers_for_cuda(spec):
         group_size=group_size,
         interpret=False,
     )
-    lowered = jax.jit(kernel).trace(spec.shape_dtype_struct(5)).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_gpu(kernel, spec.shape_dtype_struct(5))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1  # one fused kernel per call
     assert "num_warps" in text

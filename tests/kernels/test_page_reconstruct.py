@@ -32,6 +32,7 @@ from kvq_jax.cache.paged_cache import PagedCacheConfig, append, decode_pages, in
 from kvq_jax.kernel_checks.arg_specs import page_reconstruct as arg_specs
 from kvq_jax.kernels import _exact
 from kvq_jax.kernels import backend as kernel_backend
+from kvq_jax.kernels.jax_compat import lower_for_gpu
 from kvq_jax.kernels.page_reconstruct import api, config_support, pallas_triton
 from kvq_jax.kernels.page_reconstruct import xla as page_reconstruct_xla
 
@@ -280,7 +281,7 @@ def _lower_control(fn):
         )(x, y)  # fmt: skip
 
     x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
-    return jax.jit(call).trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_gpu(call, x, x).as_text()
 
 
 def test_plain_float_op_check_has_a_positive_control():
@@ -303,7 +304,7 @@ def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
     else:
         fn = jax.vmap(api._batchable(loop, False, None), in_axes=(None, None, 0))
         pages = jax.ShapeDtypeStruct((batch, 8), jnp.int32)
-    lowered = jax.jit(fn).trace(base, delta, pages).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_gpu(fn, base, delta, pages)
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text, "no Triton kernel in the lowered module"
     assert plain_float_ops(text) == set(), "plain float division / add in the kernel"

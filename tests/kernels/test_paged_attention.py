@@ -40,6 +40,7 @@ from kvq_jax.cache.paged_attention import dense_decode_attention
 from kvq_jax.cache.paged_cache import gather_batch
 from kvq_jax.kernel_checks.arg_specs import paged_attention as arg_specs
 from kvq_jax.kernels import backend as kernel_backend
+from kvq_jax.kernels.jax_compat import lower_for_gpu
 from kvq_jax.kernels.paged_attention import api, config_support, pallas_triton
 from kvq_jax.kernels.paged_attention import xla as paged_attention_xla
 
@@ -275,10 +276,8 @@ def test_kernel_lowers_for_cuda(spec):
             q, cache, tables, lens, ids, loop=spec.loop, num_splits=3, interpret=False
         )
 
-    lowered = (
-        jax.jit(kernel)
-        .trace(shapes.q, shapes.cache, shapes.block_tables, shapes.seq_lens, shapes.seq_ids)
-        .lower(lowering_platforms=("cuda",))
+    lowered = lower_for_gpu(
+        kernel, shapes.q, shapes.cache, shapes.block_tables, shapes.seq_lens, shapes.seq_ids
     )
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text and "kvq_paged_decode_attention" in text
@@ -301,8 +300,7 @@ def test_uint16_view_of_large_uint8_arrays(spec, monkeypatch):
     out = jax.jit(functools.partial(kernel, interpret=True))(*args)
     assert_close(out, reference_out(spec, spec.loop, tuple(np.asarray(inp.seq_lens).tolist()),
                                     tuple(range(spec.batch))), "uint16 view")  # fmt: skip
-    lowered = jax.jit(functools.partial(kernel, interpret=False)).trace(*args)
-    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(functools.partial(kernel, interpret=False), *args).as_text()
     assert "__gpu$xla.gpu.triton" in text and "ui16>" in text  # the uint16 operands
 
 

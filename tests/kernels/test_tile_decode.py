@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as pltriton
 from kvq_jax import pack_kv, unpack_kv
 from kvq_jax.codecs._numerics import add_in_dtype
 from kvq_jax.kernels import _tile_decode
+from kvq_jax.kernels.jax_compat import lower_for_gpu
 from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS
 
 HEADS, HEAD = 2, 1  # tiles are cut from head 1 of a 2-head page
@@ -217,7 +218,7 @@ def test_tile_kernel_lowers_for_cuda(case):
     packed, _ = packed_page(fmt, axis, group, ps, d, "normal")
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in tile_arrays(packed, fmt, as_float8)]
     fn = tile_kernel(fmt, axis, group, ps, d, interpret=False)
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(fn, *args).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
 
@@ -234,4 +235,4 @@ def test_add_in_dtype_tile_lowers_for_cuda(dtype):
         )
     )
     args = (jax.ShapeDtypeStruct((16, 64), dtype), jax.ShapeDtypeStruct((16, 64), jnp.float32))
-    assert "__gpu$xla.gpu.triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in lower_for_gpu(fn, *args).as_text()

@@ -1,0 +1,462 @@
+"""A KV cache driven the way vLLM's attention backends drive theirs: tensors allocated per
+layer from (num_blocks, block_size, num_kv_heads, head_size), every scheduled token written
+by its slot (slot = block * block_size + offset; -1 is a padded token and is skipped), read
+by block tables. Torch only (CPU and CUDA); no JAX.
+
+    cache = allocate_kv_cache("int4-g64", num_blocks, block_size, num_kv_heads, head_size,
+                              max_num_seqs=256, device="cuda")
+    reshape_and_cache(key, value, cache, slot_mapping)        # in place, no host sync
+    cache.tensors()                                           # name -> every tensor it owns
+
+`kv_cache_dtype` (`KV_CACHE_DTYPES`): vLLM's "auto" / "bfloat16" / "float16" keep raw rows
+(`key_cache`, `value_cache` [num_blocks, block_size, H, D], vLLM's layout and meaning).
+kvq's policies ("kvq:<policy>", e.g. "kvq:int4-g64", "kvq:nvfp4", "kvq:fp8"; unprefixed where
+the name is not also one of vLLM's: "int4-g64", "nvfp4", ..., and "int4" = int4-g64) store
+quantized pages with the bytes kvq's paged cache stores for the same page
+(`kvq_torch_bridge.pack_paged` of the complete block). vLLM's "fp8" / "fp8_e4m3" (E4M3 with
+one scale per layer, `k_scale` / `v_scale`), "fp8_e5m2", "fp8_inc" and "fp8_ds_mla" are other
+bytes than kvq's (per-row-scaled E4M3 is "kvq:fp8") and are refused by name (`REFUSED_DTYPES`).
+
+Quantized blocks: a block's rows stay raw in a staging row (`k_stage` / `v_stage`
+[max_num_seqs + 1, block_size, H, D]: O(max_num_seqs x block_size), not O(num_blocks)) until
+its last slot (offset block_size - 1) is written, then the block is packed once, page-local.
+Blocks fill in order (vLLM appends a sequence's tokens in order), at most one open block per
+running sequence. The staging row of a block is found on the device (`block_stage`
+[num_blocks + 1], -1 when none; `stage_block` [max_num_seqs + 1]), new rows taken from the free
+ones by a sort, so a write never reads anything back to the host. The last entry of each
+staging / page tensor is a scratch entry that padded tokens write into and nothing reads.
+
+Loops: one cache per (loop, layer), as vLLM's Ouro model has one attention per (loop, layer);
+every loop is stored absolute (the cross-loop residual pages of `kvq_torch_bridge.cache`
+are not driven through this interface yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvq_jax.core.cache_config import PagedCacheConfig
+from kvq_jax.core.policies import POLICIES, Policy, cache_config_for, serving_support
+from kvq_torch_bridge.cache.paged import pack_paged, unpack_paged
+from kvq_torch_bridge.codecs.packed import PackedKV
+from kvq_torch_bridge.codecs.registry import get_codec
+
+__all__ = [
+    "KVQ_PREFIX",
+    "KV_CACHE_DTYPES",
+    "RAW_DTYPES",
+    "REFUSED_DTYPES",
+    "ServingKVCache",
+    "allocate_kv_cache",
+    "check_slot_mapping",
+    "policy_for_kv_cache_dtype",
+    "read_blocks",
+    "reshape_and_cache",
+]
+
+#: raw kv_cache_dtype strings -> the torch dtype of the rows (None: the `dtype` argument)
+RAW_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: kvq format names accepted as kv_cache_dtype -> the policy that stores both K and V in them
+FORMAT_POLICIES = {"int4": "int4-g64", "nvfp4": "nvfp4"}
+#: the prefix that names a kvq policy whatever vLLM calls a string
+KVQ_PREFIX = "kvq:"
+_VLLM_FP8 = (
+    "vLLM's {} cache is E4M3 codes with one scale per layer (k_scale / v_scale); kvq's "
+    "E4M3 scales each row, other bytes: ask for 'kvq:fp8'"
+)
+#: vLLM kv_cache_dtype names whose bytes kvq does not store, and why
+REFUSED_DTYPES = {
+    "fp8": _VLLM_FP8.format("fp8"),
+    "fp8_e4m3": _VLLM_FP8.format("fp8_e4m3"),
+    "fp8_e5m2": "kvq has no E5M2 format",
+    "fp8_inc": "Intel Neural Compressor's fp8 is not a kvq format",
+    "fp8_ds_mla": "DeepSeek MLA's fp8 layout is not a kvq format",
+}
+
+
+def _served_policies() -> dict[str, str]:
+    names = {}
+    for name, policy in POLICIES.items():
+        if not policy.quantized or policy.window is not None or policy.key_tables is not None:
+            continue
+        uniform = all(len(set(policy.loop_formats(kind, 4))) == 1 for kind in ("key", "value"))
+        if uniform and serving_support(policy, num_loops=1).served:
+            names[name] = name
+    return names
+
+
+#: every accepted kv_cache_dtype -> "raw" or the kvq policy name it stores: the served policies
+#: with one format per kind in every loop (one cache per (loop, layer) stores every loop
+#: absolute, so a policy whose loops differ in format has no meaning here), no raw window;
+#: as "kvq:<policy>", and unprefixed where vLLM does not use the name for other bytes
+KV_CACHE_DTYPES: dict[str, str] = {
+    **{name: "raw" for name in RAW_DTYPES},
+    **{name: policy for name, policy in FORMAT_POLICIES.items()},
+    **{name: name for name in _served_policies() if name not in REFUSED_DTYPES},
+    **{KVQ_PREFIX + name: name for name in _served_policies()},
+}
+
+
+def policy_for_kv_cache_dtype(kv_cache_dtype: str) -> Policy | None:
+    """The kvq policy a kv_cache_dtype stores (None: raw rows); ValueError naming the argument
+    for an unknown or refused name (with the reason)."""
+    if not isinstance(kv_cache_dtype, str):
+        raise TypeError(f"kv_cache_dtype must be a str, got {type(kv_cache_dtype).__name__}")
+    if kv_cache_dtype in REFUSED_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is refused: "
+                         f"{REFUSED_DTYPES[kv_cache_dtype]}")  # fmt: skip
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        policy = POLICIES.get(kv_cache_dtype.removeprefix(KVQ_PREFIX))
+        why = ""
+        if policy is not None and policy.window is not None:
+            why = " (raw window rows need per-sequence state this slot-mapped cache does not keep)"
+        elif policy is not None:
+            why = f" ({serving_support(policy, num_loops=1).reason or 'not served here'})"
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not served{why}; known: "
+                         f"{', '.join(sorted(KV_CACHE_DTYPES))}")  # fmt: skip
+    name = KV_CACHE_DTYPES[kv_cache_dtype]
+    return None if name == "raw" else POLICIES[name]
+
+
+def _check_int(value, name: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(eq=False)
+class ServingKVCache:
+    """One layer's (and loop's) cache. Raw: `key_cache` / `value_cache` [num_blocks + 1,
+    block_size, H, D]. Quantized: `k_pages` / `v_pages` (`PackedKV`, leading axis num_blocks
+    + 1), `k_stage` / `v_stage` [max_num_seqs + 1, block_size, H, D] raw rows, `stage_block`
+    int64 [max_num_seqs + 1] (the block a staging row holds, -1 free), `block_stage` int64
+    [num_blocks + 1] (a block's staging row, -1 none), `stage_count` int64 [max_num_seqs + 1]
+    (rows written), `overflow` int64 [] (tokens dropped on CUDA because more than max_num_seqs
+    blocks were open; on the CPU that is a ValueError). The last entry of each is a scratch
+    entry for padded tokens."""
+
+    kv_cache_dtype: str
+    policy: Policy | None
+    config: PagedCacheConfig | None
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    max_num_seqs: int
+    key_cache: torch.Tensor | None = None
+    value_cache: torch.Tensor | None = None
+    k_pages: PackedKV | None = None
+    v_pages: PackedKV | None = None
+    k_stage: torch.Tensor | None = None
+    v_stage: torch.Tensor | None = None
+    stage_block: torch.Tensor | None = None
+    block_stage: torch.Tensor | None = None
+    stage_count: torch.Tensor | None = None
+    overflow: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.policy is not None
+
+    @property
+    def device(self) -> torch.device:
+        return (self.key_cache if self.key_cache is not None else self.k_stage).device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the cache owns, by name (packed pages as `k_pages.codes`, ...)."""
+        out = {}
+        for name in ("key_cache", "value_cache", "k_stage", "v_stage", "stage_block",
+                     "block_stage", "stage_count", "overflow"):  # fmt: skip
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        for name in ("k_pages", "v_pages"):
+            packed = getattr(self, name)
+            if packed is not None:
+                out.update({f"{name}.{n}": a for n, a in packed.arrays.items()})
+        return out
+
+    def storage_bytes(self) -> int:
+        """Bytes of every tensor the cache owns."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def _empty_pages(config: PagedCacheConfig, kind: str, device) -> PackedKV:
+    spec = config.pack_args(kind, "base")
+    codec = get_codec(spec["format"])
+    zeros = torch.zeros((1, *config.page_shape), dtype=_torch_dtype(config.dtype), device=device)
+    one = pack_paged(zeros, **spec)  # the arrays of one page, for their shapes and dtypes
+    arrays = {
+        n: torch.zeros((config.num_pages, *a.shape[1:]), dtype=a.dtype, device=device)
+        for n, a in one.arrays.items()
+    }
+    del codec
+    return dataclasses.replace(one, **arrays)
+
+
+def _torch_dtype(np_dtype) -> torch.dtype:
+    from kvq_torch_bridge.codecs._dtypes import torch_dtype
+
+    return torch_dtype(np_dtype)
+
+
+def allocate_kv_cache(
+    kv_cache_dtype: str,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device=None,
+    max_num_seqs: int = 256,
+) -> ServingKVCache:
+    """A zeroed cache of `num_blocks` blocks of `block_size` tokens x `num_kv_heads` x
+    `head_size`, rows in `dtype` (bfloat16 / float16 / float32), on `device` (default CPU).
+    `max_num_seqs`: the most sequences with an open (partly written) block at once (staging
+    rows of quantized formats). ValueError / TypeError naming the argument."""
+    policy = policy_for_kv_cache_dtype(kv_cache_dtype)
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                        ("num_kv_heads", num_kv_heads), ("head_size", head_size),
+                        ("max_num_seqs", max_num_seqs)):  # fmt: skip
+        _check_int(value, name)
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"dtype must be torch.bfloat16, float16 or float32, got {dtype!r}")
+    device = torch.device("cpu" if device is None else device)
+    raw = RAW_DTYPES.get(kv_cache_dtype)
+    common = dict(kv_cache_dtype=kv_cache_dtype, policy=policy, num_blocks=num_blocks,
+                  block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                  max_num_seqs=max_num_seqs)  # fmt: skip
+    if policy is None:
+        row_dtype = dtype if raw is None else raw
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_size)
+        return ServingKVCache(
+            **common, config=None, dtype=row_dtype,
+            key_cache=torch.zeros(shape, dtype=row_dtype, device=device),
+            value_cache=torch.zeros(shape, dtype=row_dtype, device=device),
+        )  # fmt: skip
+    np_name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    try:
+        config = cache_config_for(
+            policy, num_pages=num_blocks + 1, page_size=block_size, num_heads=num_kv_heads,
+            head_dim=head_size, dtype=np_name[dtype], num_loops=1, max_seqs=max_num_seqs,
+        )  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} with block_size {block_size}, "
+                         f"head_size {head_size}: {e}") from None  # fmt: skip
+    stage = (max_num_seqs + 1, block_size, num_kv_heads, head_size)
+    return ServingKVCache(
+        **common, config=config, dtype=dtype,
+        k_pages=_empty_pages(config, "key", device),
+        v_pages=_empty_pages(config, "value", device),
+        k_stage=torch.zeros(stage, dtype=dtype, device=device),
+        v_stage=torch.zeros(stage, dtype=dtype, device=device),
+        stage_block=torch.full((max_num_seqs + 1,), -1, dtype=torch.int64, device=device),
+        block_stage=torch.full((num_blocks + 1,), -1, dtype=torch.int64, device=device),
+        stage_count=torch.zeros((max_num_seqs + 1,), dtype=torch.int64, device=device),
+        overflow=torch.zeros((), dtype=torch.int64, device=device),
+    )  # fmt: skip
+
+
+def _check_cache(cache) -> ServingKVCache:
+    if not isinstance(cache, ServingKVCache):
+        raise TypeError(f"cache must be a ServingKVCache (allocate_kv_cache), got "
+                        f"{type(cache).__name__}")  # fmt: skip
+    return cache
+
+
+def _check_tokens(name: str, x, cache: ServingKVCache, n: int | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    want = (cache.num_kv_heads, cache.head_size)
+    if x.ndim != 3 or tuple(x.shape[1:]) != want or (n is not None and x.shape[0] != n):
+        raise ValueError(f"{name} must be [num_tokens, {want[0]}, {want[1]}]"
+                         f"{'' if n is None else f' with num_tokens {n}'}, got "
+                         f"{tuple(x.shape)}")  # fmt: skip
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+    if x.device != cache.device:
+        raise ValueError(f"{name} is on {x.device}, the cache on {cache.device}")
+    return x
+
+
+def check_slot_mapping(cache: ServingKVCache, slot_mapping, num_tokens: int) -> torch.Tensor:
+    """Shape, dtype and device of `slot_mapping` (int64 [num_tokens]); its values (-1 or in
+    [0, num_blocks * block_size)) when it lies in host memory (CPU tensors; reading a CUDA
+    tensor would sync the host, which the hot path never does)."""
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.dtype not in (torch.int64, torch.int32) or slot_mapping.ndim != 1:
+        raise ValueError(f"slot_mapping must be int64 [num_tokens], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")  # fmt: skip
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} "
+                         "tokens")  # fmt: skip
+    if slot_mapping.device != cache.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device}, the cache on {cache.device}")
+    if slot_mapping.device.type == "cpu" and num_tokens:
+        size = cache.num_blocks * cache.block_size
+        bad = (slot_mapping < -1) | (slot_mapping >= size)
+        if bool(bad.any()):
+            first = int(slot_mapping[bad][0])
+            raise ValueError(f"slot_mapping holds slot {first} outside [-1, {size}) "
+                             f"({cache.num_blocks} blocks x {cache.block_size})")  # fmt: skip
+        valid = slot_mapping[slot_mapping >= 0]
+        if valid.unique().numel() != valid.numel():
+            raise ValueError("slot_mapping writes a slot twice in one call")
+    return slot_mapping.to(torch.int64)
+
+
+@torch.no_grad()
+def reshape_and_cache(key, value, cache: ServingKVCache, slot_mapping) -> None:
+    """Write key / value [num_tokens, num_kv_heads, head_size] at `slot_mapping` (int64
+    [num_tokens]; slot = block * block_size + offset, -1 skipped), in place: no tensor of the
+    cache is reallocated, nothing is read back to the host (CUDA). Tokens of many sequences in
+    one call, blocks in any order; within a block, offsets in order across calls. Quantized
+    formats pack a block when its last offset is written, with kvq's page bytes."""
+    cache = _check_cache(cache)
+    n = _check_tokens("key", key, cache).shape[0]
+    _check_tokens("value", value, cache, n)
+    slots = check_slot_mapping(cache, slot_mapping, n)
+    if n == 0:
+        return
+    bs = cache.block_size
+    valid = slots >= 0
+    block = torch.where(valid, slots // bs, cache.num_blocks)  # padded -> the scratch block
+    offset = torch.where(valid, slots % bs, 0)
+    if not cache.quantized:
+        cache.key_cache[block, offset] = key.to(cache.key_cache.dtype)
+        cache.value_cache[block, offset] = value.to(cache.value_cache.dtype)
+        return
+    _write_staged(cache, key, value, block, offset, valid)
+
+
+def _groups(keyed: torch.Tensor):
+    """(rank, first) of every entry of `keyed` [n] among its distinct values in ascending
+    order: rank[i] = index of keyed[i]'s value, first[i] = i is that value's first entry."""
+    order = torch.argsort(keyed, stable=True)
+    sorted_keys = keyed[order]
+    head = torch.ones_like(sorted_keys, dtype=torch.bool)
+    head[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    rank_sorted = torch.cumsum(head.to(torch.int64), 0) - 1
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+    first = torch.empty_like(head).scatter_(0, order, head)
+    return rank, first
+
+
+def _write_staged(cache, key, value, block, offset, valid) -> None:
+    """Rows of blocks that stay open or were open before into staging rows (new blocks take
+    free rows); blocks opened and completed in this call go straight to their pages."""
+    s, bs, n = cache.max_num_seqs, cache.block_size, block.shape[0]
+    row = cache.block_stage[block]  # [n], -1: the block has no staging row
+    is_last = valid & (offset == bs - 1)
+    rank, first = _groups(block)  # the scratch block (padded tokens) is one group too
+    completes = torch.zeros(n, dtype=torch.bool, device=block.device)
+    completes = completes.scatter_reduce(0, rank, is_last, "amax")[rank]
+    new = valid & (row < 0)
+    # blocks written whole in this call: packed from the tokens, no staging row
+    whole = new & completes
+    keep = new & ~completes
+    # one free staging row per distinct new block that stays open, ranked by a sort
+    kept_rank, _ = _groups(torch.where(keep, block, cache.num_blocks + 1))
+    free = cache.stage_block[:s] < 0
+    free_rows = torch.argsort((~free).to(torch.int8), stable=True)  # free rows first
+    fits = kept_rank < free.sum()
+    new_row = free_rows[kept_rank.clamp(max=s - 1)]
+    assign = keep & fits
+    if block.device.type == "cpu" and bool((keep & ~fits).any()):  # host memory: no sync
+        raise ValueError(
+            f"reshape_and_cache: more blocks open at once than max_num_seqs "
+            f"({cache.max_num_seqs}) staging rows; allocate the cache with a larger max_num_seqs"
+        )
+    cache.overflow += (keep & ~fits).sum()  # on CUDA such rows are dropped and counted
+    row = torch.where(assign, new_row, row)
+    staged = valid & ~whole & (row >= 0)
+    row = torch.where(staged, row, s)  # padded, whole-block and overflowing tokens: scratch
+    cache.stage_block.index_put_((torch.where(assign, row, s),),
+                                 torch.where(assign, block, -1))  # fmt: skip
+    cache.block_stage.index_put_((torch.where(assign, block, cache.num_blocks),),
+                                 torch.where(assign, row, -1))  # fmt: skip
+    cache.k_stage[row, offset] = key.to(cache.dtype)
+    cache.v_stage[row, offset] = value.to(cache.dtype)
+    cache.stage_count.index_add_(0, row, staged.to(torch.int64))
+    _reset_scratch(cache)
+    _pack_staged(cache, block, row, is_last & staged, min(n, s))
+    if n >= bs:
+        _pack_whole(cache, key, value, block, offset, whole, rank, first, n // bs)
+
+
+def _reset_scratch(cache) -> None:
+    s = cache.max_num_seqs
+    cache.stage_block[s] = -1
+    cache.block_stage[cache.num_blocks] = -1
+    cache.stage_count[s] = 0
+
+
+def _store_pages(cache, k_pages: torch.Tensor, v_pages: torch.Tensor, blocks) -> None:
+    """Pack [m, block_size, H, D] K / V pages and write them at `blocks` [m] (in place)."""
+    for kind, raw, pages in (("key", k_pages, cache.k_pages), ("value", v_pages, cache.v_pages)):
+        packed = pack_paged(raw, **cache.config.pack_args(kind, "base"))
+        for name, arr in packed.arrays.items():
+            pages.arrays[name][blocks] = arr
+
+
+def _pack_staged(cache, block, row, done, m: int) -> None:
+    """Pack the staged blocks whose last offset was written in this call (at most
+    min(num_tokens, max_num_seqs): one per staging row) and free their rows."""
+    s = cache.max_num_seqs
+    cand = torch.argsort((~done).to(torch.int8), stable=True)[:m]  # completing tokens first
+    ok = done[cand]
+    blocks = torch.where(ok, block[cand], cache.num_blocks)
+    rows = torch.where(ok, row[cand], s)
+    _store_pages(cache, cache.k_stage[rows], cache.v_stage[rows], blocks)
+    cache.stage_block[rows] = -1
+    cache.block_stage[blocks] = -1
+    cache.stage_count[rows] = 0
+    _reset_scratch(cache)
+
+
+def _pack_whole(cache, key, value, block, offset, whole, rank, first, m: int) -> None:
+    """Pack the blocks written whole in this call (at most num_tokens // block_size) straight
+    from the tokens: a page buffer of m blocks, O(the tokens)."""
+    bs, h, d = cache.block_size, cache.num_kv_heads, cache.head_size
+    # index of each whole block among the whole blocks (ascending block order)
+    heads = whole & first
+    n = rank.numel()
+    slot_of_group = torch.full((n + 1,), m, dtype=torch.int64, device=rank.device)
+    page_index = torch.cumsum(heads.to(torch.int64), 0) - 1  # group rank -> page buffer index
+    slot_of_group = slot_of_group.scatter(0, torch.where(heads, rank, n),
+                                          torch.where(heads, page_index, m))  # fmt: skip
+    idx = torch.where(whole, slot_of_group[rank].clamp(max=m), m)
+    kbuf = torch.zeros((m + 1, bs, h, d), dtype=cache.dtype, device=key.device)
+    vbuf = torch.zeros_like(kbuf)
+    kbuf[idx, offset] = key.to(cache.dtype)
+    vbuf[idx, offset] = value.to(cache.dtype)
+    blocks = torch.full((m + 1,), cache.num_blocks, dtype=torch.int64, device=key.device)
+    blocks.index_put_((idx,), torch.where(whole, block, cache.num_blocks))
+    blocks[m] = cache.num_blocks
+    _store_pages(cache, kbuf[:m], vbuf[:m], blocks[:m])
+
+
+def read_blocks(cache: ServingKVCache, block_tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """K and V of the blocks in `block_tables` [B, M] (entries in [0, num_blocks)), in the
+    cache's row dtype [B, M * block_size, H, D]: raw rows, staging rows of open blocks, packed
+    blocks decoded (`unpack_paged`). The reference read path, O(B x M) blocks."""
+    b, m = block_tables.shape
+    bs, h, d = cache.block_size, cache.num_kv_heads, cache.head_size
+    flat = block_tables.reshape(-1).to(torch.int64)
+    if not cache.quantized:
+        k, v = cache.key_cache[flat], cache.value_cache[flat]
+    else:
+        rows = cache.block_stage[flat]
+        open_ = (rows >= 0)[:, None, None, None]
+        rows = rows.clamp(min=0)
+        out = []
+        for pages, stage in ((cache.k_pages, cache.k_stage), (cache.v_pages, cache.v_stage)):
+            picked = dataclasses.replace(pages, **{n: a[flat] for n, a in pages.arrays.items()})
+            decoded = unpack_paged(picked, cache.config.dtype).to(cache.dtype)
+            out.append(torch.where(open_, stage[rows], decoded))
+        k, v = out
+    return k.reshape(b, m * bs, h, d), v.reshape(b, m * bs, h, d)
