@@ -10,7 +10,13 @@ import math
 
 import torch
 
-from kvq_torch_bridge.serving.kv_cache import ServingKVCache, _check_cache, read_blocks
+from kvq_torch_bridge.serving.kv_cache import (
+    ServingKVCache,
+    _check_cache,
+    _check_tokens,
+    host_checks,
+    read_blocks,
+)
 
 __all__ = ["paged_attention_decode", "paged_attention_prefill"]
 
@@ -27,7 +33,7 @@ def _check_tables(cache: ServingKVCache, block_tables, seq_lens, batch: int):
                          f"{tuple(block_tables.shape)}")  # fmt: skip
     if seq_lens.shape != (batch,):
         raise ValueError(f"seq_lens must be [{batch}], got {tuple(seq_lens.shape)}")
-    if cache.device.type == "cpu" and batch:  # host memory: checked without a sync
+    if host_checks(seq_lens) and batch:  # host memory: checked without a sync
         cap = block_tables.shape[1] * cache.block_size
         if bool(((seq_lens < 1) | (seq_lens > cap)).any()):
             raise ValueError(f"seq_lens must lie in [1, {cap}] (max_blocks x block_size), got "
@@ -103,8 +109,6 @@ def paged_attention_prefill(query, key, value, cache: ServingKVCache, cu_seqlens
     cache = _check_cache(cache)
     hq = _check_query("query", query, cache)
     n = query.shape[0]
-    from kvq_torch_bridge.serving.kv_cache import _check_tokens
-
     _check_tokens("key", key, cache, n)
     _check_tokens("value", value, cache, n)
     if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.ndim != 1:
@@ -112,9 +116,7 @@ def paged_attention_prefill(query, key, value, cache: ServingKVCache, cu_seqlens
     b = cu_seqlens_q.shape[0] - 1
     _check_tables(cache, block_tables, seq_lens, b)
     cu = cu_seqlens_q.to(torch.int64)
-    if cu.device.type == "cpu" and (
-        int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any())
-    ):
+    if host_checks(cu) and (int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any())):
         raise ValueError(f"cu_seqlens_q must rise from 0 to {n}, got {cu.tolist()}")
     sc = _scale(scale, cache.head_size)
     h, d = cache.num_kv_heads, cache.head_size

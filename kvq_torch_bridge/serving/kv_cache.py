@@ -282,10 +282,16 @@ def _check_tokens(name: str, x, cache: ServingKVCache, n: int | None = None) -> 
     return x
 
 
+def host_checks(x: torch.Tensor) -> bool:
+    """Whether the value checks run: `x` lies in host memory (reading it syncs nothing) and
+    the call is not being traced by torch.compile (the values are not known then)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def check_slot_mapping(cache: ServingKVCache, slot_mapping, num_tokens: int) -> torch.Tensor:
     """Shape, dtype and device of `slot_mapping` (int64 [num_tokens]); its values (-1 or in
     [0, num_blocks * block_size)) when it lies in host memory (CPU tensors; reading a CUDA
-    tensor would sync the host, which the hot path never does)."""
+    tensor would sync the host, which the hot path never does; not under torch.compile)."""
     if not isinstance(slot_mapping, torch.Tensor):
         raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
     if slot_mapping.dtype not in (torch.int64, torch.int32) or slot_mapping.ndim != 1:
@@ -296,7 +302,7 @@ def check_slot_mapping(cache: ServingKVCache, slot_mapping, num_tokens: int) -> 
                          "tokens")  # fmt: skip
     if slot_mapping.device != cache.device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device}, the cache on {cache.device}")
-    if slot_mapping.device.type == "cpu" and num_tokens:
+    if host_checks(slot_mapping) and num_tokens:
         size = cache.num_blocks * cache.block_size
         bad = (slot_mapping < -1) | (slot_mapping >= size)
         if bool(bad.any()):
@@ -366,7 +372,7 @@ def _write_staged(cache, key, value, block, offset, valid) -> None:
     fits = kept_rank < free.sum()
     new_row = free_rows[kept_rank.clamp(max=s - 1)]
     assign = keep & fits
-    if block.device.type == "cpu" and bool((keep & ~fits).any()):  # host memory: no sync
+    if host_checks(block) and bool((keep & ~fits).any()):  # host memory: no sync
         raise ValueError(
             f"reshape_and_cache: more blocks open at once than max_num_seqs "
             f"({cache.max_num_seqs}) staging rows; allocate the cache with a larger max_num_seqs"
