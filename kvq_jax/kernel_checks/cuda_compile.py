@@ -591,7 +591,7 @@ def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}")
     if cfg.kernel == "page_pack":
-        rule = launch.page_pack(cfg.page_size, cfg.head_dim)
+        rule = launch.page_pack(cfg.page_size, cfg.head_dim, cfg.spec.format)
     elif cfg.kernel == "page_reconstruct":
         rule = launch.page_reconstruct(cfg.page_size, cfg.head_dim)
     elif cfg.kernel == "paged_attention":

@@ -7,11 +7,12 @@ sm_90a and sm_120a (ptxas 13.5; `kvq_jax.kernel_checks.cuda_compile`, docs/kerne
 
   page pack        1 stage: each program handles one tile (INT4/FP8) or two passes over a
                    page's heads (NVFP4), so there is nothing to prefetch. 4 warps below
-                   page_size * head_dim = 4096 elements, 8 from there: with 4 warps, under the
-                   Triton of jax 0.11 / 0.12, the NVFP4 key pack of float32 [64, 128] pages
-                   reached 255 registers and spilled 4-12 bytes, the NVFP4 value pack of
-                   float16 [64, 64] pages spilled 8-16 bytes at 128 registers (sm_90a /
-                   sm_120a); 8 warps: 0 spills on 0.10.2, 0.11.2 and 0.12.0.1.
+                   page_size * head_dim = 4096 elements; from there 8 (INT4, FP8) or 16
+                   (NVFP4). Under the Triton of jax 0.11 / 0.12, 4 warps spilled the NVFP4 key
+                   pack of float32 [64, 128] pages (255 registers, 4-12 bytes) and the NVFP4
+                   value pack of float16 [64, 64] pages (8-16 bytes at 128 registers), and 8
+                   warps the NVFP4 key pack of bfloat16 [32, 128] pages on sm_80 (8 bytes);
+                   16 warps: every NVFP4 configuration 0 spills (jax 0.12.0.1, 3 targets).
   page reconstruct page_size * head_dim / 1024 warps (32 tile elements per thread), at least
                    4; 1 stage (one tile per program). 2 warps spilled up to 26 KB.
   paged attention  group G = Hq / H < 8 (scores as a broadcast multiply-sum): 4 warps, 2
@@ -59,9 +60,12 @@ def check_launch(launch) -> Launch | None:
     return launch
 
 
-def page_pack(page_size: int, head_dim: int) -> Launch:
-    """The page-pack kernel's launch for pages of page_size x head_dim (per head)."""
-    return Launch(num_warps=8 if page_size * head_dim >= PACK_WIDE_TILE else 4, num_stages=1)
+def page_pack(page_size: int, head_dim: int, format: str = "int4") -> Launch:
+    """The page-pack kernel's launch for pages of page_size x head_dim (per head) in
+    `format`."""
+    if page_size * head_dim < PACK_WIDE_TILE:
+        return Launch(num_warps=4, num_stages=1)
+    return Launch(num_warps=16 if format == "nvfp4" else 8, num_stages=1)
 
 
 def page_reconstruct(page_size: int, head_dim: int) -> Launch:

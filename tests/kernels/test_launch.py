@@ -41,6 +41,7 @@ def _lower_reconstruct(spec, launch_):
 def test_rules():
     """The measured spill-free rules (docs/kernel_resources.md)."""
     assert launch.page_pack(64, 64) == Launch(8, 1) and launch.page_pack(16, 128) == Launch(4, 1)
+    assert launch.page_pack(32, 128, "nvfp4") == Launch(16, 1)
     assert launch.page_reconstruct(16, 64) == Launch(4, 1)  # at least 4 warps
     assert launch.page_reconstruct(64, 128) == Launch(8, 1)  # 32 tile elements per thread
     assert launch.paged_attention(1, 128) == Launch(4, 2)  # broadcast scores (Ouro: G = 1)

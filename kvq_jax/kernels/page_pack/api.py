@@ -89,7 +89,7 @@ def dispatch(
     if impl == "xla" or pages.shape[0] == 0:  # nothing to launch for zero pages
         return xla.pack_paged(pages, kind=kind, format=format, group_size=group_size, axis=axis)
     if launch is None:
-        launch = _launch.page_pack(page_shape[0], page_shape[2])
+        launch = _launch.page_pack(page_shape[0], page_shape[2], format)
     return pallas_triton.pack_paged(
         pages,
         kind=kind,

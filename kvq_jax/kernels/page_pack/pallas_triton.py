@@ -339,7 +339,7 @@ def pack_paged(
     axis and group_size resolved) -> the `PackedKV` that `pack_paged` returns; `launch`: the
     Triton launch parameters (None: the rule of `kvq_jax.kernels.launch.page_pack`)."""
     if launch is None:
-        launch = _launch.page_pack(pages.shape[1], pages.shape[3])
+        launch = _launch.page_pack(pages.shape[1], pages.shape[3], format)
     if format == "int4":
         arrays = _pack_int4(pages, axis, group_size, interpret, launch)
     elif format == "nvfp4":

@@ -11,6 +11,7 @@ element (measured 5-10x slower per residual loop, see docs/research/issue15).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,20 +49,24 @@ def _flat_ok(packed) -> bool:
     return packed.format == "nvfp4" or all(a.ndim > 1 for a in packed.arrays.values())
 
 
-def _take(plane, pages, flat: bool):
-    """Pages `pages` of a stored plane (batch shape (P,)) with its format's dtypes
-    (`codec_view`, after the take: never a pass over the pool). flat: one PackedKV of
-    N * page_size rows (NVFP4's global scale as [R, 1, 1] against its R block-scale rows per
-    page), else a batch of N pages."""
+def _take(plane, pages, flat: bool, level=None):
+    """Pages `pages` of a stored plane (batch shape (P,); with `level`, plane `level` of the
+    delta planes, batch shape (L - 1, P), taken in the same gather: slicing the plane out
+    first would copy it whole on XLA:CPU) with its format's dtypes (`codec_view`, after the
+    take: never a pass over the pool). flat: one PackedKV of N * page_size rows (NVFP4's
+    global scale as [R, 1, 1] against its R block-scale rows per page), else a batch of N
+    pages."""
+    take_pages = functools.partial(_take_pages, level=level)
     if not flat:
-        return codec_view(dataclasses.replace(plane, **_taken(_take_pages, plane.arrays, pages)))
+        return codec_view(dataclasses.replace(plane, **_taken(take_pages, plane.arrays, pages)))
     n = pages.shape[0]
     ps, h, d = plane.shape
-    rows = plane.arrays["block_scale"].shape[1] if "block_scale" in plane.arrays else 0
+    axis = 1 if level is None else 2  # the block-scale rows per page
+    rows = plane.arrays["block_scale"].shape[axis] if "block_scale" in plane.arrays else 0
 
     def take(arrays, pages):
         out = {}
-        for name, a in _take_pages(arrays, pages).items():
+        for name, a in take_pages(arrays, pages).items():
             if a.ndim == 1:  # NVFP4's per-page global scale, repeated along its block rows
                 out[name] = jnp.broadcast_to(a[:, None], (n, rows)).reshape(n * rows, 1, 1)
             else:
@@ -72,17 +77,20 @@ def _take(plane, pages, flat: bool):
     return codec_view(dataclasses.replace(plane, shape=(n * ps, h, d), **taken))
 
 
-def _take_pages(arrays: dict, pages) -> dict:
-    return {k: _take_rows(a, pages) for k, a in arrays.items()}
+def _take_pages(arrays: dict, pages, level=None) -> dict:
+    return {k: _take_rows(a, pages, level) for k, a in arrays.items()}
 
 
-def _take_rows(a, pages):
-    """a[pages]; size-1 axes squeezed around the gather (XLA:CPU otherwise relayouts the
-    whole plane, e.g. one token group per page [P, 1, H, D], before every gather)."""
-    ones = tuple(i for i in range(1, a.ndim) if a.shape[i] == 1)
-    if not ones:
-        return a[pages]
-    return jnp.expand_dims(jnp.squeeze(a, ones)[pages], ones)
+def _take_rows(a, pages, level=None):
+    """a[pages], or a[level, pages] for [L - 1, P, ...] delta planes (one gather); size-1 axes
+    squeezed around the gather (XLA:CPU otherwise relayouts the whole plane, e.g. one token
+    group per page [P, 1, H, D], before every gather)."""
+    lead = 1 if level is None else 2
+    ones = tuple(i for i in range(lead, a.ndim) if a.shape[i] == 1)
+    if ones:
+        a = jnp.squeeze(a, ones)
+    out = a[pages] if level is None else a[level, pages]
+    return jnp.expand_dims(out, tuple(i - lead + 1 for i in ones)) if ones else out
 
 
 def decode_pages(base, delta, pages, *, loop: int, depth=None) -> jnp.ndarray:
@@ -105,8 +113,7 @@ def decode_pages(base, delta, pages, *, loop: int, depth=None) -> jnp.ndarray:
     decode = unpack_kv if flat else jax.vmap(unpack_kv)
     recon = decode(_take(base, pages, flat))
     for r in range(loop):
-        plane = jax.tree.map(lambda a, r=r: a[r], delta)
         # A dense residual without a window adds its decoded delta (`decode_residual`).
-        step = add_in_dtype(recon, decode(_take(plane, pages, flat)))
+        step = add_in_dtype(recon, decode(_take(delta, pages, flat, level=r)))
         recon = step if rows is None else jnp.where(rows >= r + 1, step, recon)
     return recon.reshape(n, ps, h, d)
