@@ -91,7 +91,10 @@ def paged_attention_decode(query, cache: ServingKVCache, block_tables, seq_lens,
     mask = torch.arange(t, device=k.device)[None, :] < seq_lens.to(torch.int64)[:, None]
     scores = scores.masked_fill(~mask[:, None, None, :], -torch.inf)
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgt,bthd->bhgd", probs, v.float())
+    # rows past a sequence's end may hold anything (an unused block: NaN from an empty NVFP4
+    # page); a zero weight times NaN is NaN, so they are zeroed, not only weighted 0
+    v = torch.where(mask[:, :, None, None], v.float(), 0.0)
+    out = torch.einsum("bhgt,bthd->bhgd", probs, v)
     return out.reshape(b, hq, d)
 
 
@@ -138,6 +141,7 @@ def paged_attention_prefill(query, key, value, cache: ServingKVCache, cu_seqlens
     s_new = s_new.masked_fill(~m_new[:, None, None, :], -torch.inf)
     scores = torch.cat([s_ctx, s_new], dim=-1)
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("nhgt,nthd->nhgd", probs[..., :t], v_ctx[seq].float())
+    v_seq = torch.where(m_ctx[:, :, None, None], v_ctx[seq].float(), 0.0)  # see decode
+    out = torch.einsum("nhgt,nthd->nhgd", probs[..., :t], v_seq)
     out = out + torch.einsum("nhgm,mhd->nhgd", probs[..., t:], value.float())
     return out.reshape(n, hq, d)

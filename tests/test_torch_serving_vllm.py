@@ -1,0 +1,167 @@
+"""kvq_torch_bridge.serving driven by a minimal vLLM-v1-style attention layer built here:
+`forward(query, key, value, kv_cache, attn_metadata)` with slot_mapping, block_tables,
+seq_lens and query_start_loc, over batches that mix prefill chunks and decode tokens with
+padded (-1) slots, several steps. Outputs against dense float32 attention over the decoded K/V
+(public Torch codec), cache bytes against kvq_jax's paged cache fed the same tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import kvq_torch_bridge as kt
+from kvq_jax.cache import paged_cache as jax_cache
+from kvq_jax.core.policies import cache_config_for
+from kvq_torch_bridge.serving import (
+    allocate_kv_cache,
+    paged_attention_prefill,
+    policy_for_kv_cache_dtype,
+    reshape_and_cache,
+)
+
+BS, H, D, HQ, NUM_BLOCKS, SEQS = 64, 2, 64, 4, 16, 3
+
+
+@dataclasses.dataclass
+class AttnMetadata:
+    """What a vLLM v1 attention backend receives per step."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs], with this step's tokens
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+
+
+class Attention:
+    """The layer: write this step's K/V by slot, then attend by block tables."""
+
+    def forward(self, query, key, value, kv_cache, m: AttnMetadata):
+        n = m.query_start_loc[-1]
+        reshape_and_cache(key, value, kv_cache, m.slot_mapping)
+        return paged_attention_prefill(query[:n], key[:n], value[:n], kv_cache,
+                                       m.query_start_loc, m.block_tables, m.seq_lens)  # fmt: skip
+
+
+def schedule():
+    """Per step: {seq: new tokens}; prefill chunks and decode tokens mixed."""
+    return [{0: 70, 1: 20}, {0: 1, 1: 50, 2: 64}, {0: 1, 1: 1, 2: 30}] + [{0: 1, 1: 1, 2: 1}] * 6
+
+
+def run(kv_cache_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cache = allocate_kv_cache(kv_cache_dtype, NUM_BLOCKS, BS, H, D, max_num_seqs=SEQS)
+    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = {s: [] for s in range(SEQS)}
+    lens = dict.fromkeys(range(SEQS), 0)
+    raw = {s: ([], []) for s in range(SEQS)}
+    layer = Attention()
+    steps = []
+    for counts in schedule():
+        seqs = sorted(counts)
+        q, k, v, slots, starts = [], [], [], [], [0]
+        for s in seqs:
+            n = counts[s]
+            for pos in range(lens[s], lens[s] + n):
+                if pos // BS >= len(tables[s]):
+                    tables[s].append(free.pop())
+                slots.append(tables[s][pos // BS] * BS + pos % BS)
+            k.append(torch.randn(n, H, D, generator=gen).to(torch.bfloat16))
+            v.append(torch.randn(n, H, D, generator=gen).to(torch.bfloat16))
+            q.append(torch.randn(n, HQ, D, generator=gen))
+            raw[s][0].append(k[-1])
+            raw[s][1].append(v[-1])
+            lens[s] += n
+            starts.append(starts[-1] + n)
+        pad = 3  # padded tokens at the end, as a CUDA-graph batch has
+        key = torch.cat([*k, torch.zeros(pad, H, D, dtype=torch.bfloat16)])
+        value = torch.cat([*v, torch.zeros(pad, H, D, dtype=torch.bfloat16)])
+        query = torch.cat([*q, torch.zeros(pad, HQ, D)])
+        width = max(len(tables[s]) for s in seqs)
+        meta = AttnMetadata(
+            slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64),
+            block_tables=torch.tensor([tables[s] + [0] * (width - len(tables[s])) for s in seqs],
+                                      dtype=torch.int32),
+            seq_lens=torch.tensor([lens[s] for s in seqs], dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        )  # fmt: skip
+        out = layer.forward(query, key, value, cache, meta)
+        steps.append((dict(counts), {s: lens[s] for s in seqs}, query, out))
+    return cache, tables, raw, steps
+
+
+def decoded(cache, kind_raw, kind):
+    """A sequence's K or V as the cache should hold them (public codec; open block raw)."""
+    parts = []
+    for start in range(0, kind_raw.shape[0], BS):
+        page = kind_raw[start : start + BS]
+        if page.shape[0] == BS and cache.config is not None:
+            page = kt.unpack_kv(kt.pack_kv(page, **cache.config.pack_args(kind, "base")))
+        parts.append(page.to(torch.bfloat16))
+    return torch.cat(parts)
+
+
+def attention(q, k, v):
+    g = q.shape[0] // k.shape[1]
+    s = torch.einsum("hd,thd->ht", q.float(), k.float().repeat_interleave(g, 1)) * D**-0.5
+    return torch.einsum("ht,thd->hd", torch.softmax(s, -1), v.float().repeat_interleave(g, 1))
+
+
+FORMATS = ["bfloat16", "int4", "nvfp4", "kvq:fp8"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_mixed_batches_against_dense_attention(kv_cache_dtype):
+    cache, _, raw, steps = run(kv_cache_dtype)
+    k_all = {s: torch.cat(raw[s][0]) for s in raw}
+    v_all = {s: torch.cat(raw[s][1]) for s in raw}
+    for counts, lens, query, out in steps:
+        row = 0
+        for s in sorted(counts):
+            n, total = counts[s], lens[s]
+            ctx = total - n
+            # the context as the cache holds it now (complete blocks quantized), then the
+            # step's own tokens raw
+            k_ctx = decoded(cache, k_all[s][:total], "key")[:ctx]
+            v_ctx = decoded(cache, v_all[s][:total], "value")[:ctx]
+            for j in range(n):
+                k = torch.cat([k_ctx, k_all[s][ctx : ctx + j + 1]])
+                v = torch.cat([v_ctx, v_all[s][ctx : ctx + j + 1]])
+                torch.testing.assert_close(out[row + j], attention(query[row + j], k, v),
+                                           rtol=1e-5, atol=1e-5)  # fmt: skip
+            row += n
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int4", "nvfp4", "kvq:fp8"])
+def test_pages_equal_kvq_jax_paged_cache(kv_cache_dtype):
+    """The same tokens appended to kvq_jax's paged cache (per sequence, by its block table):
+    every complete block's arrays are the same bytes."""
+    cache, tables, raw, _ = run(kv_cache_dtype)
+    policy = policy_for_kv_cache_dtype(kv_cache_dtype)
+    config = cache_config_for(policy, num_pages=NUM_BLOCKS, page_size=BS, num_heads=H,
+                              head_dim=D, dtype="bfloat16", num_loops=1, max_seqs=SEQS)  # fmt: skip
+    jc = jax_cache.init_cache(config)
+    width = NUM_BLOCKS
+    bt = np.zeros((SEQS, width), np.int32)
+    for s, t in tables.items():
+        bt[s, : len(t)] = t
+    for s in range(SEQS):
+        for kc, vc in zip(*raw[s], strict=True):  # the same chunks, in order
+            k = jnp.asarray(kc.float().numpy(), jnp.bfloat16)[None]
+            v = jnp.asarray(vc.float().numpy(), jnp.bfloat16)[None]
+            jc = jax_cache.append(jc, k, v, block_tables=jnp.asarray(bt),
+                                  seq_ids=jnp.asarray([s], jnp.int32), loop=0)  # fmt: skip
+    checked = 0
+    for s, t in tables.items():
+        complete = sum(x.shape[0] for x in raw[s][0]) // BS
+        for i in range(complete):
+            for mine, theirs in ((cache.k_pages, jc.k_base), (cache.v_pages, jc.v_base)):
+                for name, arr in mine.arrays.items():
+                    want = np.asarray(theirs.arrays[name][t[i]]).reshape(-1).view(np.uint8)
+                    got = arr[t[i]].reshape(-1).view(torch.uint8).numpy()
+                    assert np.array_equal(got, want), (s, i, name)
+            checked += 1
+    assert checked == 3  # one complete block per sequence in this schedule
