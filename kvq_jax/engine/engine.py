@@ -39,7 +39,7 @@ are played by the cache's staging page, which holds the last (length mod page_si
 raw, between 0 and page_size - 1 of them, not a fixed 16. "bf16" is unquantized: a separate
 plain paged store (`RawStore`: [loops, pages, page_size, H, D] per layer, same block
 tables) in the model's compute dtype, so a bfloat16 model's K/V are stored exactly (a float32
-model's in float32).
+model's in float32; bfloat16 rows as their uint16 bits, which XLA:CPU updates in place).
 
 Looped models: the layer stack runs `num_loops` times per token (`loops=` overrides the
 checkpoint's count), the final norm after every loop. Ouro: each loop's logits and exit gate
