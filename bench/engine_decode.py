@@ -179,6 +179,7 @@ def prepare(model, policy, *, loops, batch, context, pool_factor, page_size, loo
     engine = Engine(
         model, policy, num_pages=pool_factor * batch * pages_per_seq, page_size=page_size,
         max_seqs=batch, max_pages_per_seq=pages_per_seq, loops=loops, loop_kv=loop_kv,
+        prefill_batch=1,  # decode only: the prompt scratch pool (all loops) of one sequence
     )  # fmt: skip
     for _ in range(batch):
         engine.allocator.add_sequence(context + 1)
