@@ -12,7 +12,9 @@ checked on the shared conformance vectors (`kvq conformance kvq_torch_bridge:pac
 
 Importing the Torch stack does not import JAX: it shares only `kvq_jax.core` (the
 framework-neutral modules) with kvq_jax. The DLPack bridge (`from_torch`, `to_torch`,
-`jax_to_torch`, `torch_to_jax`, `CopyWarning`) needs both and imports JAX on first use.
+`jax_to_torch`, `torch_to_jax`, `CopyWarning`) needs both and imports JAX on first use;
+`KVQCache` (a transformers `Cache` backed by kvq's serving cache) imports transformers on
+first use.
 """
 
 import importlib
@@ -54,6 +56,11 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module("kvq_torch_bridge.bridge"), name)
         globals()[name] = value
         return value
+    if name == "KVQCache":  # a transformers Cache: imports transformers on first use
+        from kvq_torch_bridge.serving import hf_cache
+
+        globals()[name] = hf_cache.KVQCache
+        return hf_cache.KVQCache
     raise AttributeError(f"module 'kvq_torch_bridge' has no attribute {name!r}")
 
 
@@ -66,6 +73,7 @@ __all__ = [
     "CopyWarning",
     "HeavyKV",
     "IntBCodec",
+    "KVQCache",
     "KVResidual",
     "LoopCode",
     "PackedKV",
