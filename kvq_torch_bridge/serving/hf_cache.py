@@ -321,12 +321,18 @@ class KVQLayer(CacheLayerMixin):
             return
         self._grow(start + t)
         bs = self.spec.block_size
-        pos = torch.arange(start, start + t, device=self.device)
+        # a call that completes a sequence's open block and opens another is written in two
+        # (the open block's rest, then the others): one staging row per sequence suffices
+        cut = min(t, -start % bs) if self.serving.quantized and start % bs else t
         seq = torch.arange(b, device=self.device)[:, None]
-        slots = ((pos // bs)[None, :] * b + seq) * bs + pos % bs  # [B, T]
-        k = key_states.transpose(1, 2).reshape(b * t, h, d)
-        v = value_states.transpose(1, 2).reshape(b * t, h, d)
-        reshape_and_cache(k, v, self.serving, slots.reshape(-1))
+        for lo, hi in ((0, cut), (cut, t)):
+            if hi == lo:
+                continue
+            pos = torch.arange(start + lo, start + hi, device=self.device)
+            slots = ((pos // bs)[None, :] * b + seq) * bs + pos % bs  # [B, hi - lo]
+            k = key_states[:, :, lo:hi].transpose(1, 2).reshape(b * (hi - lo), h, d)
+            v = value_states[:, :, lo:hi].transpose(1, 2).reshape(b * (hi - lo), h, d)
+            reshape_and_cache(k, v, self.serving, slots.reshape(-1))
         sink = self.spec.sink
         if sink and start < sink:
             n = min(sink, start + t) - start
@@ -364,13 +370,15 @@ class KVQLayer(CacheLayerMixin):
         if not s.quantized:
             k, v = read_blocks(s, self.block_table()[:, : math.ceil(length / bs)])
             return k[:, :length], v[:, :length]
-        full, rest = divmod(length, bs)
+        # blocks packed by now (a block that held row `length` may have completed since)
+        full = min(self.length // bs, math.ceil(length / bs))
+        rest = length - full * bs
         parts_k, parts_v = [], []
         if full:
             k, v = self._complete(full)
-            parts_k.append(k)
-            parts_v.append(v)
-        if rest:  # the open block: its staging rows
+            parts_k.append(k[:, :length])
+            parts_v.append(v[:, :length])
+        if rest > 0:  # the open block: its staging rows
             rows = s.block_stage[self.block_table()[:, full]]
             parts_k.append(s.k_stage[rows, :rest])
             parts_v.append(s.v_stage[rows, :rest])
