@@ -180,6 +180,8 @@ def test_bytes_equal_the_serving_cache_fed_the_same_tokens(policy):
     rows = layer.serving.block_stage[table[:, full]]
     want = other.block_stage[torch.arange(b) * per + full]
     assert torch.equal(layer.serving.k_stage[rows, : n % BS], other.k_stage[want, : n % BS])
+    assert torch.equal(layer.serving.v_stage[rows, : n % BS], other.v_stage[want, : n % BS])
+    assert torch.equal(layer.serving.stage_count[rows], other.stage_count[want])
 
 
 def test_keep_decoded_gives_identical_kv():

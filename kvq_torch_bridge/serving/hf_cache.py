@@ -43,6 +43,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvq_jax.core.policies import POLICIES
+from kvq_torch_bridge.cache.paged import unpack_paged
 from kvq_torch_bridge.serving.kv_cache import (
     KV_CACHE_DTYPES,
     KVQ_PREFIX,
@@ -325,7 +326,13 @@ class KVQLayer(CacheLayerMixin):
         # (the open block's rest, then the others): one staging row per sequence suffices
         cut = min(t, -start % bs) if self.serving.quantized and start % bs else t
         seq = torch.arange(b, device=self.device)[:, None]
-        for lo, hi in ((0, cut), (cut, t)):
+        parts = ((0, cut), (cut, t))
+        if start % bs and cut == t and (start + t) % bs and self.serving.quantized:
+            # every row lands in each sequence's open block (opened by an earlier call) and
+            # leaves it open: reshape_and_cache's staged write, without its pack of no block
+            self._stage(key_states, value_states, start)
+            parts = ()
+        for lo, hi in parts:
             if hi == lo:
                 continue
             pos = torch.arange(start + lo, start + hi, device=self.device)
@@ -341,15 +348,41 @@ class KVQLayer(CacheLayerMixin):
                 self.sink_v[:, start : start + n] = value_states[:, :, :n].transpose(1, 2)
 
     @torch.no_grad()
+    def _stage(self, key_states, value_states, start: int) -> None:
+        """Rows start .. start + T - 1 of every sequence into its open block's staging row
+        (the block was opened by an earlier call and stays open): what reshape_and_cache
+        does for them (rows, stage_count), with host-known offsets."""
+        s, bs, t = self.serving, self.spec.block_size, key_states.shape[2]
+        rows = s.block_stage[self.block_table()[:, start // bs]]  # [B]
+        off = start % bs
+        s.k_stage[rows, off : off + t] = key_states.transpose(1, 2).to(s.dtype)
+        s.v_stage[rows, off : off + t] = value_states.transpose(1, 2).to(s.dtype)
+        s.stage_count[rows] += t
+
+    @torch.no_grad()
+    def _decode(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, M * block_size, H, D] (the cache's row dtype) of the packed blocks
+        `table` [B, M], decoded with `unpack_paged` (kvq's page decode)."""
+        s = self.serving
+        b, m = table.shape
+        flat = table.reshape(-1)
+        out = []
+        for pages in (s.k_pages, s.v_pages):
+            picked = dataclasses.replace(pages, **{n: a[flat] for n, a in pages.arrays.items()})
+            rows = unpack_paged(picked, s.config.dtype).to(s.dtype)
+            out.append(rows.reshape(b, m * s.block_size, s.num_kv_heads, s.head_size))
+        return out[0], out[1]
+
+    @torch.no_grad()
     def _complete(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, count * block_size, H, D] of each sequence's first `count` (complete,
-        packed) blocks, decoded (raw rows for a raw policy)."""
+        packed) blocks, decoded."""
         table = self.block_table()
         if not self.spec.keep_decoded:
-            return read_blocks(self.serving, table[:, :count])
+            return self._decode(table[:, :count])
         have = 0 if self.decoded_k is None else self.decoded_k.shape[1] // self.spec.block_size
         if count > have:
-            k, v = read_blocks(self.serving, table[:, have:count])
+            k, v = self._decode(table[:, have:count])
             if self.decoded_k is None:
                 self.decoded_k, self.decoded_v = k, v
             else:
