@@ -55,7 +55,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import _timing
-from page_reconstruct import random_plane
+from page_reconstruct import random_leaf, random_plane
 
 from kvq_jax.codecs.attention import merge_attention
 from kvq_jax.engine import Engine, QuantizedStore, RawStore, StepSpec, decode_step
@@ -100,26 +100,28 @@ def fill(engine: Engine, context: int, seed: int = 0) -> None:
     """Every slot holds `context` tokens in every stored loop plane: random pages (quantized
     planes: random bytes, finite metadata; raw store: random normals), seq_lens = context."""
     key = jax.random.key(seed)
+    old, engine.stores = list(engine.stores), ()  # each old store freed once replaced
     stores = []
-    for i, store in enumerate(engine.stores):
+    for i in range(len(old)):
+        store, old[i] = old[i], None
         k = jax.random.fold_in(key, i)
         if isinstance(store, RawStore):
-            shape, dtype = store.k.shape, engine.dtype
-            stores.append(
-                RawStore.from_values(
-                    jax.random.normal(jax.random.fold_in(k, 0), shape, dtype),
-                    jax.random.normal(jax.random.fold_in(k, 1), shape, dtype),
-                )
-            )
+            like = jax.ShapeDtypeStruct(store.k.shape, engine.dtype)
+            del store
+            k_rows = random_leaf(jax.random.fold_in(k, 0), like)
+            v_rows = random_leaf(jax.random.fold_in(k, 1), like)
+            stores.append(RawStore.from_values(k_rows, v_rows))
             continue
         cache = store.cache
-        planes = {
-            f: random_plane(jax.random.fold_in(k, j), getattr(cache, f))
-            for j, f in enumerate(("k_base", "v_base", "k_delta", "v_delta"))
-            if getattr(cache, f) is not None
-        }
+        del store
+        planes = {}
+        for j, f in enumerate(("k_base", "v_base", "k_delta", "v_delta")):
+            if getattr(cache, f) is not None:
+                planes[f] = random_plane(jax.random.fold_in(k, j), getattr(cache, f))
+                jax.block_until_ready(planes[f])  # one plane's temporaries at a time
         lens = jnp.full(cache.seq_lens.shape, context, jnp.int32)
         stores.append(QuantizedStore(dataclasses.replace(cache, seq_lens=lens, **planes)))
+        del cache
     engine.stores = tuple(stores)
 
 

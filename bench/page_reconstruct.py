@@ -27,6 +27,7 @@ output-sized array (read + write), the practical ceiling of the device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import sys
 
@@ -57,16 +58,32 @@ COLUMNS = (
 )
 
 
-def random_leaf(key, leaf):
-    """Random contents of one packed array, of its dtype: codes any byte, metadata finite."""
-    shape, dtype = leaf.shape, jnp.dtype(leaf.dtype)
+def _draw(key, shape, dtype):
+    """Random values of one packed field: codes any byte, metadata finite."""
     if dtype == jnp.uint8:
-        return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(jnp.uint8)
+        return jax.random.bits(key, shape, jnp.uint8)
     if dtype == jnp.float8_e4m3fn:  # E4M3 codes / block scales: finite, within [-448, 448]
         return jax.random.uniform(key, shape, jnp.float32, -448, 448).astype(dtype)
     if dtype == jnp.float32:  # NVFP4 global scales, FP8 row scales: positive
         return jax.random.uniform(key, shape, jnp.float32, 0.5, 100.0)
-    return (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)  # INT4 f16 meta
+    return (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)  # f16 meta, bf16
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "chunk_bytes"))
+def _random_array(key, shape, dtype, chunk_bytes):
+    if len(shape) < 2:
+        return _draw(key, shape, dtype)
+    row_bytes = int(np.prod(shape[1:])) * 4  # float32 / uint32 temporaries
+    keys = jax.random.split(key, shape[0])
+    batch = max(1, min(shape[0], chunk_bytes // max(row_bytes, 1)))
+    return lax.map(lambda k: _draw(k, shape[1:], dtype), keys, batch_size=batch)
+
+
+def random_leaf(key, leaf, *, chunk_bytes: int = 1 << 26):
+    """Random contents of one packed array (shape and dtype of `leaf`): codes any byte,
+    metadata finite. Drawn in slabs of the leading axis of about `chunk_bytes` of
+    temporaries each, so a multi-GB pool needs its own size and no more (one jitted call)."""
+    return _random_array(key, tuple(leaf.shape), jnp.dtype(leaf.dtype), chunk_bytes)
 
 
 def random_plane(key, packed):

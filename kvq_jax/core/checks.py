@@ -25,6 +25,13 @@ class ShapeDtype(NamedTuple):
     dtype: np.dtype
 
 
+def shape_of(x) -> tuple:
+    """The shape of an array of any framework (or of a nested sequence), as a tuple; reads
+    `.shape` where there is one (no numpy conversion: torch.compile traces it)."""
+    shape = getattr(x, "shape", None)
+    return tuple(shape) if shape is not None else tuple(np.shape(x))
+
+
 def is_int(value) -> bool:
     """A Python or numpy integer, not a bool."""
     return not isinstance(value, bool) and isinstance(value, int | np.integer)
@@ -32,7 +39,7 @@ def is_int(value) -> bool:
 
 def check_int32(x, name: str, ndim: int) -> None:
     """`x` is an int32 array of rank `ndim`."""
-    shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", None)
+    shape, dtype = tuple(shape_of(x)), getattr(x, "dtype", None)
     if len(shape) != ndim:
         raise ValueError(f"{name} must have rank {ndim}, got shape {shape}")
     if dtype is None or np.dtype(dtype) != np.int32:
@@ -41,7 +48,7 @@ def check_int32(x, name: str, ndim: int) -> None:
 
 def check_values(x, name: str = "values") -> tuple[tuple[int, int, int], np.dtype]:
     """A [T, H, D] float array; returns its (shape, numpy dtype)."""
-    shape = tuple(np.shape(x))
+    shape = tuple(shape_of(x))
     if len(shape) != 3:
         raise ValueError(f"{name} must have rank 3 [T, H, D], got shape {shape}")
     if shape[1] < 1 or shape[2] < 1:
@@ -51,7 +58,7 @@ def check_values(x, name: str = "values") -> tuple[tuple[int, int, int], np.dtyp
 
 def check_pages(pages) -> tuple[int, int, int, int]:
     """[P, page_size, H, D] float pages; returns the shape."""
-    shape = tuple(np.shape(pages))
+    shape = tuple(shape_of(pages))
     if len(shape) != 4:
         raise ValueError(f"pages must have rank 4 [P, page_size, H, D], got shape {shape}")
     check_float_dtype(pages.dtype, "pages.dtype")
@@ -126,7 +133,7 @@ def check_previous(residual, previous) -> None:
 
 def check_loop_stack(loops) -> tuple[int, int, int, int]:
     """[L, T, H, D] float with L >= 1; returns the shape."""
-    shape = tuple(np.shape(loops))
+    shape = tuple(shape_of(loops))
     if len(shape) != 4:
         raise ValueError(f"loops must have rank 4 [L, T, H, D], got shape {shape}")
     if shape[0] < 1:
@@ -180,11 +187,11 @@ def host_validate_positions(positions, num_tokens: int, *, window: Window | None
 def check_block_tables(config, block_tables) -> int:
     """int32 [max_seqs, max_pages_per_seq >= 1]; returns max_pages_per_seq."""
     check_int32(block_tables, "block_tables", 2)
-    rows, max_pages = np.shape(block_tables)
+    rows, max_pages = shape_of(block_tables)
     if rows != config.max_seqs or max_pages < 1:
         raise ValueError(
             f"block_tables must be [max_seqs={config.max_seqs}, max_pages_per_seq >= 1], "
-            f"got shape {tuple(np.shape(block_tables))}"
+            f"got shape {tuple(shape_of(block_tables))}"
         )
     return max_pages
 
@@ -193,7 +200,7 @@ def check_append_args(config, k, v, block_tables, seq_ids, loop, exited=None) ->
     """Shapes, dtypes and static values of an `append` call; returns (B, n)."""
     check_loop_index(loop, config.num_loops)
     for name, x in (("k", k), ("v", v)):
-        shape = tuple(np.shape(x))
+        shape = tuple(shape_of(x))
         if len(shape) != 4:
             raise ValueError(f"{name} must have rank 4 [B, n, H, D], got shape {shape}")
         if shape[2:] != (config.num_heads, config.head_dim):
@@ -203,14 +210,14 @@ def check_append_args(config, k, v, block_tables, seq_ids, loop, exited=None) ->
             )
         if np.dtype(x.dtype) != config.dtype:
             raise TypeError(f"{name}.dtype {np.dtype(x.dtype)} != cache dtype {config.dtype}")
-    if np.shape(k) != np.shape(v):
+    if shape_of(k) != shape_of(v):
         raise ValueError(
-            f"k {tuple(np.shape(k))} and v {tuple(np.shape(v))} must have the same shape"
+            f"k {tuple(shape_of(k))} and v {tuple(shape_of(v))} must have the same shape"
         )
-    b, n = np.shape(k)[:2]
+    b, n = shape_of(k)[:2]
     check_int32(seq_ids, "seq_ids", 1)
-    if np.shape(seq_ids)[0] != b:
-        raise ValueError(f"seq_ids has {np.shape(seq_ids)[0]} entries but k has B = {b}")
+    if shape_of(seq_ids)[0] != b:
+        raise ValueError(f"seq_ids has {shape_of(seq_ids)[0]} entries but k has B = {b}")
     max_pages = check_block_tables(config, block_tables)
     if n < 1:
         raise ValueError("k, v must hold at least one token (n >= 1)")
@@ -224,10 +231,10 @@ def check_append_args(config, k, v, block_tables, seq_ids, loop, exited=None) ->
             raise ValueError("exited needs a cache with PagedCacheConfig(adaptive_exit=True)")
         if loop == 0:
             raise ValueError("exited must be None at loop 0 (a token exits after a loop)")
-        if tuple(np.shape(exited)) != (b, n) or np.dtype(exited.dtype) != np.bool_:
+        if tuple(shape_of(exited)) != (b, n) or np.dtype(exited.dtype) != np.bool_:
             raise ValueError(
                 f"exited must be bool [B, n] = [{b}, {n}], got "
-                f"{np.dtype(exited.dtype)}{list(np.shape(exited))}"
+                f"{np.dtype(exited.dtype)}{list(shape_of(exited))}"
             )
     return b, n
 
@@ -281,9 +288,9 @@ def check_gather_args(config, seq_len, block_table) -> int:
         raise ValueError(f"seq_len must be a static int >= 0, got {seq_len!r}")
     check_int32(block_table, "block_table", 1)
     max_pages = -(-int(seq_len) // config.page_size)
-    if np.shape(block_table)[0] < max_pages:
+    if shape_of(block_table)[0] < max_pages:
         raise ValueError(
-            f"block_table has {np.shape(block_table)[0]} entries, fewer than the "
+            f"block_table has {shape_of(block_table)[0]} entries, fewer than the "
             f"{max_pages} pages of {seq_len} tokens"
         )
     return max_pages
@@ -292,20 +299,20 @@ def check_gather_args(config, seq_len, block_table) -> int:
 def check_batch(config, seq_lens, seq_ids) -> int:
     """seq_lens int32 [B]; seq_ids None (slots 0..B-1, B <= max_seqs) or int32 [B]; returns B."""
     check_int32(seq_lens, "seq_lens", 1)
-    b = np.shape(seq_lens)[0]
+    b = shape_of(seq_lens)[0]
     if seq_ids is None:
         if b > config.max_seqs:
             raise ValueError(f"B = {b} exceeds max_seqs = {config.max_seqs}; pass seq_ids")
         return b
     check_int32(seq_ids, "seq_ids", 1)
-    if np.shape(seq_ids)[0] != b:
-        raise ValueError(f"seq_ids has {np.shape(seq_ids)[0]} entries but seq_lens has {b}")
+    if shape_of(seq_ids)[0] != b:
+        raise ValueError(f"seq_ids has {shape_of(seq_ids)[0]} entries but seq_lens has {b}")
     return b
 
 
 def check_q(q, num_heads: int, head_dim: int) -> tuple[int, int]:
     """Decode queries [B, Hq, D] with Hq a positive multiple of the KV heads; returns (B, Hq)."""
-    shape = tuple(np.shape(q))
+    shape = tuple(shape_of(q))
     if len(shape) != 3:
         raise ValueError(f"q must have rank 3 [B, Hq, D], got shape {shape}")
     b, hq, d = shape
@@ -318,7 +325,7 @@ def check_q(q, num_heads: int, head_dim: int) -> tuple[int, int]:
 
 def check_dense_attention_args(q, k, v, seq_lens) -> tuple[int, int, int, int, int]:
     """q [B, Hq, D], k and v [B, T, H, D], seq_lens int32 [B]; returns (B, T, H, D, Hq)."""
-    k_shape, v_shape = tuple(np.shape(k)), tuple(np.shape(v))
+    k_shape, v_shape = tuple(shape_of(k)), tuple(shape_of(v))
     if len(k_shape) != 4 or k_shape != v_shape:
         raise ValueError(f"k, v must both be [B, T, H, D], got {k_shape} and {v_shape}")
     b, t, h, d = k_shape
@@ -326,16 +333,16 @@ def check_dense_attention_args(q, k, v, seq_lens) -> tuple[int, int, int, int, i
     if bq != b:
         raise ValueError(f"q has B = {bq} but k, v have B = {b}")
     check_int32(seq_lens, "seq_lens", 1)
-    if np.shape(seq_lens)[0] != b:
-        raise ValueError(f"seq_lens has {np.shape(seq_lens)[0]} entries, expected B = {b}")
+    if shape_of(seq_lens)[0] != b:
+        raise ValueError(f"seq_lens has {shape_of(seq_lens)[0]} entries, expected B = {b}")
     return b, t, h, d, hq
 
 
 def check_decode_args(config, q, block_tables, seq_lens, loop, seq_ids) -> int:
     """A `paged_decode_attention` call; returns B."""
     check_q(q, config.num_heads, config.head_dim)
-    if np.shape(q)[0] != np.shape(seq_lens)[0]:
-        raise ValueError(f"q has B = {np.shape(q)[0]} but seq_lens has {np.shape(seq_lens)[0]}")
+    if shape_of(q)[0] != shape_of(seq_lens)[0]:
+        raise ValueError(f"q has B = {shape_of(q)[0]} but seq_lens has {shape_of(seq_lens)[0]}")
     check_loop_index(loop, config.num_loops)
     check_block_tables(config, block_tables)
     return check_batch(config, seq_lens, seq_ids)
@@ -506,10 +513,10 @@ def check_swap_in(config, sequence, slot, pages) -> np.ndarray:
         raise TypeError(f"sequence must be a HostSequence, got {type(sequence).__name__}")
     if from_config != config:
         raise ValueError("sequence was swapped out of a cache with another configuration")
-    if np.shape(pages) != (sequence.num_pages,):
+    if shape_of(pages) != (sequence.num_pages,):
         raise ValueError(
             f"pages must be {sequence.num_pages} page ids (one per page the sequence holds), "
-            f"got shape {np.shape(pages)}"
+            f"got shape {shape_of(pages)}"
         )
     check_slot(config, slot)
     return check_page_ids(config, pages)

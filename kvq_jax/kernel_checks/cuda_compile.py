@@ -574,6 +574,25 @@ def ci_subset(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
     return subset
 
 
+def smoke_subset(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
+    """A few configurations per kernel for a quick second-environment check: at the largest
+    head dim of each kernel, a configuration is taken when it brings a (kernel, format, kind
+    or position) not yet compiled (every format in every role once, not every geometry)."""
+    top = {}
+    for c in configs:
+        top[c.kernel] = max(top.get(c.kernel, 0), c.head_dim)
+    taken, seen = [], set()
+    for c in configs:
+        if c.head_dim != top[c.kernel]:
+            continue
+        role = c.spec.kind if c.kernel == "page_pack" else c.kind
+        new = {(c.kernel, role, i, f) for i, f in enumerate(c.formats)} - seen
+        if new:
+            taken.append(c)
+            seen |= new
+    return taken
+
+
 # -- measured knobs ------------------------------------------------------------------------------
 
 

@@ -40,8 +40,8 @@ import torch
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.policies import POLICIES, Policy, cache_config_for, serving_support
 from kvq_torch_bridge.cache.paged import pack_paged, unpack_paged
+from kvq_torch_bridge.codecs._dtypes import numpy_dtype, torch_dtype
 from kvq_torch_bridge.codecs.packed import PackedKV
-from kvq_torch_bridge.codecs.registry import get_codec
 
 __all__ = [
     "KVQ_PREFIX",
@@ -184,22 +184,14 @@ class ServingKVCache:
 
 
 def _empty_pages(config: PagedCacheConfig, kind: str, device) -> PackedKV:
-    spec = config.pack_args(kind, "base")
-    codec = get_codec(spec["format"])
-    zeros = torch.zeros((1, *config.page_shape), dtype=_torch_dtype(config.dtype), device=device)
-    one = pack_paged(zeros, **spec)  # the arrays of one page, for their shapes and dtypes
+    """Zero packed pages [num_pages, ...] with the arrays `pack_paged` gives one page."""
+    zeros = torch.zeros((1, *config.page_shape), dtype=torch_dtype(config.dtype), device=device)
+    one = pack_paged(zeros, **config.pack_args(kind, "base"))
     arrays = {
         n: torch.zeros((config.num_pages, *a.shape[1:]), dtype=a.dtype, device=device)
         for n, a in one.arrays.items()
     }
-    del codec
     return dataclasses.replace(one, **arrays)
-
-
-def _torch_dtype(np_dtype) -> torch.dtype:
-    from kvq_torch_bridge.codecs._dtypes import torch_dtype
-
-    return torch_dtype(np_dtype)
 
 
 def allocate_kv_cache(
@@ -237,11 +229,10 @@ def allocate_kv_cache(
             key_cache=torch.zeros(shape, dtype=row_dtype, device=device),
             value_cache=torch.zeros(shape, dtype=row_dtype, device=device),
         )  # fmt: skip
-    np_name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     try:
         config = cache_config_for(
             policy, num_pages=num_blocks + 1, page_size=block_size, num_heads=num_kv_heads,
-            head_dim=head_size, dtype=np_name[dtype], num_loops=1, max_seqs=max_num_seqs,
+            head_dim=head_size, dtype=numpy_dtype(dtype), num_loops=1, max_seqs=max_num_seqs,
         )  # fmt: skip
     except ValueError as e:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} with block_size {block_size}, "

@@ -3,7 +3,8 @@ GPU (`kvq_jax.kernel_checks.cuda_compile`: JAX deviceless AOT compilation, the p
 
 - `cuda_compile` tests (python -m pytest -m cuda_compile): every kernel configuration of the
   CI subset (`cuda_compile.ci_subset`: every kernel, every format, both head dims, the
-  largest page; KVQ_CUDA_COMPILE=full: every configuration) compiles for each target with
+  largest page; KVQ_CUDA_COMPILE=full: every configuration; =smoke: `cuda_compile.smoke_subset`,
+  every format in every role once, for the second CI environment) compiles for each target with
   its measured knobs (`cuda_compile.tuned_knobs`), the PTX's `.target` is the target's, no
   register spills (0 bytes of spill stores) and shared memory within the target's limit.
   A deliberately broken kernel fails with the compiler's message. They skip, saying why and
@@ -21,9 +22,15 @@ from kvq_jax.kernel_checks import cuda_compile as cc
 
 MISSING = cc.availability()
 needs_compiler = pytest.mark.skipif(MISSING is not None, reason=f"no CUDA compiler: {MISSING}")
-FULL = os.environ.get("KVQ_CUDA_COMPILE") == "full"
+LEVEL = os.environ.get("KVQ_CUDA_COMPILE", "ci")
+if LEVEL not in ("ci", "full", "smoke"):
+    raise ValueError(f"KVQ_CUDA_COMPILE must be ci, full or smoke, got {LEVEL!r}")
 CONFIGS = cc.kernel_configs()
-SELECTED = CONFIGS if FULL else cc.ci_subset(CONFIGS)
+SELECTED = {
+    "full": CONFIGS,
+    "ci": cc.ci_subset(CONFIGS),
+    "smoke": cc.smoke_subset(cc.ci_subset(CONFIGS)),
+}[LEVEL]
 TARGETS = tuple(cc.TARGETS)
 
 
@@ -211,6 +218,17 @@ def test_ci_subset_covers_every_kernel_format_and_head_dim():
         assert any(c.page_size == largest for c in subset if c.kernel == kernel)
     names = [f"{c.kernel}/{c.name}" for c in CONFIGS]
     assert len(set(names)) == len(names)
+
+
+def test_smoke_subset_compiles_every_format_of_every_kernel():
+    subset = cc.ci_subset(CONFIGS)
+    smoke = cc.smoke_subset(subset)
+    assert len(smoke) < len(subset) / 2
+    for kernel in cc.KERNELS:
+        every = {f for c in subset if c.kernel == kernel for f in c.formats}
+        assert {f for c in smoke if c.kernel == kernel for f in c.formats} == every, kernel
+    kinds = {c.spec.kind for c in smoke if c.kernel == "page_pack"}
+    assert kinds == {"key", "value"}
 
 
 def test_tuned_knobs_are_valid():
