@@ -246,7 +246,7 @@ def make_steps(config, optimizer, gate_optimizer, beta: float):
     """The jitted (stage-I step, stage-II step, eval) functions of `config`.
 
     stage1(params, opt_state, batch [B, T+1] int32, gate_on) -> (params, opt_state, metrics
-    dict), the gate's gradient multiplied by gate_on (0.0: the gate held where it is);
+    dict); gate_on 0.0 holds the exit distribution constant (no gradient through the gate);
     stage2(params, gate_state, batch) -> (params, gate_state, metrics) trains the gate alone.
     """
     import jax
@@ -259,17 +259,18 @@ def make_steps(config, optimizer, gate_optimizer, beta: float):
         loop_logits, gate_logits = ouro.loop_outputs(params, config, batch[:, :-1])
         return per_loop_ce(loop_logits, batch[:, 1:]), gate_logits
 
-    def loss1(params, batch):
+    def loss1(params, batch, gate_on):
         ce, gate_logits = outputs(params, batch)
+        # gate_on 0: the exit distribution is a constant (no gradient into the gate or, through
+        # the gate, into the hidden states); 1: Ouro's stage I
+        gate_logits = gate_on * gate_logits + (1.0 - gate_on) * jax.lax.stop_gradient(gate_logits)
         loss, expected, entropy, mean_p = stage1_objective(ce, gate_logits, beta)
         return loss, dict(loss=loss, expected=expected, entropy=entropy, mean_p=mean_p,
                           ce=jnp.mean(ce, axis=(1, 2)))  # fmt: skip
 
     @jax.jit
     def stage1(params, opt_state, batch, gate_on=1.0):
-        grads, metrics = jax.grad(loss1, has_aux=True)(params, batch)
-        gate = jax.tree.map(lambda g: g * gate_on, grads["early_exit_gate"])
-        grads = {**grads, "early_exit_gate": gate}
+        grads, metrics = jax.grad(loss1, has_aux=True)(params, batch, gate_on)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
         return optax.apply_updates(params, updates), opt_state, metrics
