@@ -340,3 +340,17 @@ def test_planted_defect_is_caught(monkeypatch):
         for raw_k, _, start, got_k, _ in drive(cache, calls=[70, *[1] * 60]):
             want = reference_kv(raw_k, start, "key", "int4-g64", stored_new=True)
             assert torch.equal(got_k, want)
+
+
+def test_beam_search_reorders_sequences(model):
+    """generate(num_beams=3) reorders the cache's sequences (reorder_cache) every step: raw
+    rows give DynamicCache's beams; int4-g64 runs through block completion."""
+    ids = prompt(batch=1, length=62)
+    ref = generate(model, ids, transformers.DynamicCache(config=model.config), steps=6,
+                   num_beams=3)  # fmt: skip
+    out = generate(model, ids, KVQCache(model.config, "bfloat16", max_cache_len=128), steps=6,
+                   num_beams=3)  # fmt: skip
+    assert torch.equal(out, ref)
+    cache = KVQCache(model.config, "int4-g64")
+    out = generate(model, ids, cache, steps=6, num_beams=3)
+    assert out.shape == ref.shape and cache.layers[0].num_seqs == 3
