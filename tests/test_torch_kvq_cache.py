@@ -8,6 +8,8 @@ formats' accounting; bad input refused by argument; a planted defect caught."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -354,3 +356,14 @@ def test_beam_search_reorders_sequences(model):
     cache = KVQCache(model.config, "int4-g64")
     out = generate(model, ids, cache, steps=6, num_beams=3)
     assert out.shape == ref.shape and cache.layers[0].num_seqs == 3
+
+
+def test_imports_transformers_on_first_use_and_no_jax():
+    code = (
+        "import sys, kvq_torch_bridge\n"
+        "assert 'transformers' not in sys.modules\n"
+        "from kvq_torch_bridge.serving import KVQCache\n"
+        "assert kvq_torch_bridge.KVQCache is KVQCache and 'transformers' in sys.modules\n"
+        "assert 'jax' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,7 +7,15 @@ Each decoder layer gets a `KVQLayer` (transformers' `CacheLayerMixin`) that owns
 sequence b of the batch is one serving sequence, its block j is block `j * B + b` of the pool
 (so growing the pool never moves a block). A quantized block stays raw in the sequence's
 staging row until its last token is written, then it is packed once, page-local, with the bytes
-of kvq's paged cache; raw policies store the rows as they are.
+of kvq's paged cache; raw policies store the rows as they are. A call whose rows all land in
+each sequence's already-open block and leave it open (most decode steps) is written straight
+into the staging rows (the rows and `stage_count` reshape_and_cache would write, without its
+pack of a padded block that every call of it runs to stay free of host syncs).
+
+Memory (`KVQCache.memory()`, bytes): the pages of complete blocks, one staging row
+[block_size, H, D] per sequence plus one scratch row, per layer and kind, in the model's dtype,
+and the sink rows; `kv_bytes_per_token()` is the steady-state page cost (the format's
+accounting, all layers, K and V).
 
 `update(key_states, value_states)` takes [B, H, T, D] (H KV heads, D head_dim, T new tokens)
 and returns K, V [B, H, L, D] in the dtype of `key_states` (L = tokens cached so far, the new
