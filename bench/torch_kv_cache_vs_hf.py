@@ -14,6 +14,9 @@ KV bytes per token: every tensor the cache holds for the sequences at the end of
 staging and sink rows (`KVQCache.memory()`), and its steady-state page cost
 (`kv_bytes_per_token()`, the format's accounting) beside it. Tokens/s: batch x steps over
 the wall time of the decode steps (one process, 2 shared CPU cores: compare within a run).
+Layer update ms: the median time of one decode-step `cache.update` of one layer (B x H x
+(prefill + steps) tokens of random K/V in it), the caches interleaved round by round: the
+cache's own cost per layer and step, steadier than the whole model's tokens/s.
 
 The prefill is run once, on the DynamicCache: every cache here returns a call's own tokens
 raw (KVQCache's default, and QuantizedCache's first update), so each layer's prefill K/V are
@@ -134,6 +137,31 @@ def forced_run(
     return torch.stack(logits, 1), t1 - t0, t2 - t1
 
 
+@torch.no_grad()
+def layer_update_ms(builders, shape, steps: int, rounds_seed: int = 0) -> dict[str, float]:
+    """Median ms of one decode-step `update` of layer 0 per cache: each cache gets random
+    bf16 K/V of `shape` (B, H, T, D) as its prefill, then `steps` rounds of one-token
+    updates, the caches interleaved in every round (load on the machine hits all alike)."""
+    g = torch.Generator().manual_seed(rounds_seed)
+    k = torch.randn(shape, generator=g).to(torch.bfloat16)
+    one = torch.randn((*shape[:2], 1, shape[3]), generator=g).to(torch.bfloat16)
+    caches, times = {}, {}
+    for label, build in builders:
+        try:
+            caches[label] = build()
+            caches[label].update(k, k.clone(), 0)
+            caches[label].update(one, one.clone(), 0)  # warm-up
+            times[label] = []
+        except Exception:  # reported by the accuracy run
+            caches.pop(label, None)
+    for _ in range(steps):
+        for label, cache in caches.items():
+            t0 = time.perf_counter()
+            cache.update(one, one.clone(), 0)
+            times[label].append(time.perf_counter() - t0)
+    return {label: 1e3 * sorted(ts)[len(ts) // 2] for label, ts in times.items()}
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -201,9 +229,9 @@ def main(argv=None) -> None:
     builders += [
         (label, lambda be=be, kw=kw: QuantizedCache(be, config, **kw)) for label, be, kw in HF_ROWS
     ]
+    if args.only:
+        builders = [(label, b_) for label, b_ in builders if any(s in label for s in args.only)]
     for label, build in builders:
-        if args.only and not any(s in label for s in args.only):
-            continue
         row = dict(
             cache=label,
             kl=None,
@@ -248,6 +276,12 @@ def main(argv=None) -> None:
             flush=True,
         )
 
+    heads, dim = ref_cache.layers[0].keys.shape[1], ref_cache.layers[0].keys.shape[3]
+    builders.insert(0, ("DynamicCache bf16 (reference)", lambda: DynamicCache(config=config)))
+    shape = (b, heads, args.prefill + args.steps, dim)
+    ms = layer_update_ms(builders, shape, args.steps)
+    for row in rows:
+        row["layer_update_ms"] = ms.get(row["cache"])
     print()
     print(format_table(rows, args, b))
     if args.json:
@@ -270,18 +304,19 @@ def format_table(rows, args, batch: int) -> str:
         f"teacher-forced steps), KL / top-1 against the DynamicCache run",
         "",
         "| cache | mean KL | delta NLL | top-1 | KV B/token (held) | KV B/token (format) | "
-        "decode tok/s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "decode tok/s | layer update ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['cache']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['cache']} | failed: {r['error']} | | | | | | |")
             continue
         fmt = "" if r["format_bytes"] is None else f"{r['format_bytes']:.0f}"
+        upd = "" if r.get("layer_update_ms") is None else f"{r['layer_update_ms']:.2f}"
         lines.append(
             f"| {r['cache']} | {r['kl']:.4f} | {r['delta_nll']:+.4f} | "
             f"{100 * r['top1']:.1f}% | {r['bytes_per_token']:.0f} | {fmt} | "
-            f"{r['tokens_per_s']:.1f} |"
+            f"{r['tokens_per_s']:.1f} | {upd} |"
         )
     return "\n".join(lines)
 
