@@ -11,7 +11,11 @@ trained on the training works only; documents are joined by `<|endoftext|>` (id 
 
 Model: `kvq_jax.models.ouro` (its own `loop_outputs`: four RMSNorms per layer, RoPE, SwiGLU,
 the layer stack run `total_ut_steps` times, each loop's final-normed state giving that loop's
-logits and exit-gate logit). Float32 parameters and compute.
+logits and exit-gate logit). Float32 parameters and compute. One layer per loop (hidden 256,
+4 heads of 64, SwiGLU 768, vocabulary 1024, context 256): loop 1 is then a one-layer model
+(no composition of attention heads) and what the later loops add shows. A two-layer run
+(hidden 192, vocabulary 2048) had its four loops level after 250 steps (held-out NLL 4.761,
+4.724, 4.749, 4.778), with the gate held on the last loop.
 
 Objective (Ouro, arXiv 2510.25741 section 3.3), per token with exit distribution p over the
 N loops from the gate (`ouro.exit_probabilities`) and per-loop cross-entropy ce_t (nats):
@@ -123,10 +127,10 @@ def encode_docs(tok, texts: list[str]) -> np.ndarray:
 class Shape:
     """The trained model's size (vocab is the tokenizer's)."""
 
-    hidden: int = 192
-    layers: int = 2
-    heads: int = 3
-    intermediate: int = 512
+    hidden: int = 256
+    layers: int = 1
+    heads: int = 4
+    intermediate: int = 768
     loops: int = 4
     context: int = 256
 
@@ -387,7 +391,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--beta", type=float, default=0.1, help="stage-I entropy weight")
-    p.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size")
+    p.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary size")
     p.add_argument("--hidden", type=int, default=Shape.hidden)
     p.add_argument("--layers", type=int, default=Shape.layers)
     p.add_argument("--heads", type=int, default=Shape.heads)
