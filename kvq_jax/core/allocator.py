@@ -150,6 +150,35 @@ class PageAllocator:
         self._grow(slot, need)
         return slot
 
+    def hold_page(self, page: int) -> None:
+        """Take free page `page` out of circulation (no sequence is given it) until
+        `release_page`: a page an outside user of the pool writes (the scratch block of a
+        Torch serving view, `kvq_torch_bridge.bridge.handoff`). ValueError if it is held."""
+        if not is_int(page) or not 0 <= page < self.num_pages:
+            raise ValueError(f"page must be an int in [0, {self.num_pages}), got {page!r}")
+        if page not in self._free:
+            raise ValueError(f"page {page} is in use (held by a sequence or already held)")
+        self._free.remove(page)
+        self._refs[page] = 1
+
+    def release_page(self, page: int) -> None:
+        """Return a page taken by `hold_page` to the free pages."""
+        if not is_int(page) or not 0 <= page < self.num_pages or page in self._free:
+            raise ValueError(f"page {page!r} is not held")
+        if (self._tables == page).any():
+            raise ValueError(f"page {page} belongs to a sequence, not to hold_page")
+        self._refs[page] = 0
+        self._free.append(int(page))
+        self._free.sort(reverse=True)
+
+    def hold_slot(self, slot: int) -> None:
+        """Take free slot `slot` (no pages) out of use until `free(slot)` (see `hold_page`)."""
+        if not is_int(slot) or not 0 <= slot < self.max_seqs:
+            raise ValueError(f"slot must be an int in [0, {self.max_seqs}), got {slot!r}")
+        if self._live[slot]:
+            raise ValueError(f"slot {slot} is in use")
+        self._live[slot] = True
+
     def check_block_tables(self, block_tables) -> None:
         """Raise ValueError unless `block_tables` [max_seqs, >= 1] maps every live sequence
         only onto pages it holds (at the logical positions it holds them) and free slots onto

@@ -498,6 +498,49 @@ class Engine:
         self.scheduler.stamp(request)
         return request
 
+    def add_prefilled(self, prompt, fill, **kwargs) -> Request:
+        """Admit a request whose prompt another producer prefills (disaggregated prefill: a
+        Torch model writing through `kvq_torch_bridge.bridge.handoff`): a slot and pages for
+        prompt + max_new_tokens are taken, its slots cleared, then `fill(slot, pages)` (pages:
+        int32, the prompt's and the first decode row's) must write every layer's K/V of the
+        prompt into the stores' buffers, byte for byte as `prefill` would store them, and
+        return the logits float32 [V] of the last prompt token; the engine records the
+        lengths and samples the first token. Single-loop models only (ValueError). On any
+        error the slot and pages are released, nothing changed."""
+        if self.config.num_loops != 1:
+            raise ValueError("add_prefilled: single-loop models only (a looped model's loop "
+                             "planes are not produced elsewhere)")  # fmt: skip
+        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, **kwargs)
+        if request.slot is not None or request.done:
+            raise ValueError("request was already admitted")
+        n = len(request.prompt)
+        slot = self.allocator.add_sequence(n + 1)
+        try:
+            groups = self._group_ids(slot, [])
+            self.stores = tuple(
+                store.clear_slots(slots.tolist())
+                for store, (slots, _) in zip(self.stores, groups, strict=True)
+            )
+            jax.block_until_ready(self.stores)  # the producer writes into these buffers
+            logits = np.asarray(fill(slot, self.allocator.pages(slot)), np.float32)
+            if logits.shape != (self.config.vocab_size,):
+                raise ValueError(f"add_prefilled: fill returned logits of shape {logits.shape}, "
+                                 f"expected ({self.config.vocab_size},)")  # fmt: skip
+            self.stores = tuple(
+                store.set_lengths(slots.tolist(), n)
+                for store, (slots, _) in zip(self.stores, groups, strict=True)
+            )
+        except Exception:
+            self.allocator.free(slot)
+            raise
+        request.slot = slot
+        request.position = n
+        self.running[slot] = request
+        self.stats["prefill_tokens"] += n
+        self._accept(request, logits, 0)
+        self.scheduler.stamp(request)
+        return request
+
     def submit(self, prompt, **kwargs) -> Request:
         """Queue a request (validated now); `step` / `run` admit it when a slot and pages are
         free."""

@@ -150,6 +150,14 @@ class QuantizedStore:
         """Empty the folded slots `slots` (ints) for a new sequence (`paged_cache.clear_slot`)."""
         return QuantizedStore(paged_cache.clear_slot(self.cache, slot=list(slots)))
 
+    def set_lengths(self, slots, length: int):
+        """Folded slots `slots` (ints) hold `length` tokens in every stored loop: their pages
+        and staging rows were written by another producer (a disaggregated prefill,
+        `kvq_torch_bridge.bridge.handoff`)."""
+        ids = jnp.asarray(list(slots), jnp.int32)
+        lens = self.cache.seq_lens.at[:, ids].set(jnp.int32(length))
+        return QuantizedStore(dataclasses.replace(self.cache, seq_lens=lens))
+
     def fork(self, parent, child, num_tokens, parent_pages, child_pages, *, layers, num_pages,
              max_seqs):  # fmt: skip
         """Sequence `child` starts on the first num_tokens tokens of `parent` (allocator slots)
@@ -317,6 +325,10 @@ class RawStore:
 
     def clear_slots(self, slots):
         del slots  # no per-slot state: a slot's rows are its pages
+        return self
+
+    def set_lengths(self, slots, length: int):
+        del slots, length  # no lengths kept: attention reads the positions it is given
         return self
 
     def fork(self, parent, child, num_tokens, parent_pages, child_pages, *, layers, num_pages,
