@@ -18,6 +18,7 @@ from kvq_torch_bridge.serving import (
     allocate_kv_cache,
     paged_attention_decode,
     paged_attention_prefill,
+    read_blocks,
     reshape_and_cache,
 )
 from kvq_torch_bridge.serving import kv_cache as kvc
@@ -293,3 +294,20 @@ def test_imports_no_jax():
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int4-g64", "nvfp4"])
+def test_completing_a_block_frees_its_staging_row_for_the_next(kv_cache_dtype):
+    """One staging row per sequence is enough: a call that completes a sequence's open block
+    and opens its next one reuses the row (max_num_seqs = the sequences)."""
+    sim = Sim(kv_cache_dtype, max_num_seqs=2)
+    sim.write({0: 20, 1: 5})
+    sim.write({0: 50, 1: 100})  # both complete block 0 and open block 1
+    sim.write({0: 70, 1: 1})  # sequence 0 completes block 1 and opens block 2
+    check_bytes(sim)
+    assert int(sim.cache.overflow) == 0
+    for seq in (0, 1):
+        k, v = expected_kv(sim, seq)
+        got_k, got_v = read_blocks(sim.cache, sim.tables_tensor([seq]))
+        torch.testing.assert_close(got_k[0, : k.shape[0]], k, rtol=0, atol=0)
+        torch.testing.assert_close(got_v[0, : v.shape[0]], v, rtol=0, atol=0)

@@ -26,9 +26,13 @@ running sequence. The staging row of a block is found on the device (`block_stag
 ones by a sort, so a write never reads anything back to the host. The last entry of each
 staging / page tensor is a scratch entry that padded tokens write into and nothing reads.
 
-Loops: one cache per (loop, layer), as vLLM's Ouro model has one attention per (loop, layer);
-every loop is stored absolute (the cross-loop residual pages of `kvq_torch_bridge.cache`
-are not driven through this interface yet).
+Loops: one cache per (loop, layer), as vLLM's Ouro model has one attention per (loop, layer),
+sharing the block tables. Each loop's cache stores its loop absolute, or, allocated with
+`previous=` the cache of loop l - 1 of the same layer, as kvq's cross-loop residual: a
+complete block holds the delta (in the cache dtype) of its rows against loop l - 1's
+reconstructed block, packed in the policy's residual format, the bytes of kvq's paged cache
+for loop l of that page; reading adds the chain back. Loop l - 1 must write a block's tokens
+before loop l does (the forward order of a looped model).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.policies import POLICIES, Policy, cache_config_for, serving_support
 from kvq_torch_bridge.cache.paged import pack_paged, unpack_paged
 from kvq_torch_bridge.codecs._dtypes import numpy_dtype, torch_dtype
+from kvq_torch_bridge.codecs._numerics import add_in_dtype, subtract_in_dtype
 from kvq_torch_bridge.codecs.packed import PackedKV
 
 __all__ = [
@@ -135,7 +140,8 @@ class ServingKVCache:
     [num_blocks + 1] (a block's staging row, -1 none), `stage_count` int64 [max_num_seqs + 1]
     (rows written), `overflow` int64 [] (tokens dropped on CUDA because more than max_num_seqs
     blocks were open; on the CPU that is a ValueError). The last entry of each is a scratch
-    entry for padded tokens."""
+    entry for padded tokens. previous: loop - 1's cache when this one stores residual deltas
+    against it (not owned: not in `tensors()`); loop: its loop index (0 without previous)."""
 
     kv_cache_dtype: str
     policy: Policy | None
@@ -156,6 +162,13 @@ class ServingKVCache:
     block_stage: torch.Tensor | None = None
     stage_count: torch.Tensor | None = None
     overflow: torch.Tensor | None = None
+    previous: ServingKVCache | None = None
+    loop: int = 0
+
+    @property
+    def role(self) -> str:
+        """ "base" (the loop stored absolute) or "residual" (deltas against `previous`)."""
+        return "base" if self.previous is None else "residual"
 
     @property
     def quantized(self) -> bool:
@@ -183,10 +196,10 @@ class ServingKVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
-def _empty_pages(config: PagedCacheConfig, kind: str, device) -> PackedKV:
+def _empty_pages(config: PagedCacheConfig, kind: str, device, role: str = "base") -> PackedKV:
     """Zero packed pages [num_pages, ...] with the arrays `pack_paged` gives one page."""
     zeros = torch.zeros((1, *config.page_shape), dtype=torch_dtype(config.dtype), device=device)
-    one = pack_paged(zeros, **config.pack_args(kind, "base"))
+    one = pack_paged(zeros, **config.pack_args(kind, role))
     arrays = {
         n: torch.zeros((config.num_pages, *a.shape[1:]), dtype=a.dtype, device=device)
         for n, a in one.arrays.items()
@@ -204,11 +217,14 @@ def allocate_kv_cache(
     dtype: torch.dtype = torch.bfloat16,
     device=None,
     max_num_seqs: int = 256,
+    previous: ServingKVCache | None = None,
 ) -> ServingKVCache:
     """A zeroed cache of `num_blocks` blocks of `block_size` tokens x `num_kv_heads` x
     `head_size`, rows in `dtype` (bfloat16 / float16 / float32), on `device` (default CPU).
     `max_num_seqs`: the most sequences with an open (partly written) block at once (staging
-    rows of quantized formats). ValueError / TypeError naming the argument."""
+    rows of quantized formats). `previous`: the same layer's cache of the loop before, to
+    store this loop as residual deltas against it (a quantized kv_cache_dtype, the same
+    geometry, dtype and device). ValueError / TypeError naming the argument."""
     policy = policy_for_kv_cache_dtype(kv_cache_dtype)
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size),
@@ -217,6 +233,9 @@ def allocate_kv_cache(
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"dtype must be torch.bfloat16, float16 or float32, got {dtype!r}")
     device = torch.device("cpu" if device is None else device)
+    if previous is not None:
+        _check_previous(previous, policy, kv_cache_dtype, num_blocks, block_size, num_kv_heads,
+                        head_size, dtype, device)  # fmt: skip
     raw = RAW_DTYPES.get(kv_cache_dtype)
     common = dict(kv_cache_dtype=kv_cache_dtype, policy=policy, num_blocks=num_blocks,
                   block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -232,23 +251,43 @@ def allocate_kv_cache(
     try:
         config = cache_config_for(
             policy, num_pages=num_blocks + 1, page_size=block_size, num_heads=num_kv_heads,
-            head_dim=head_size, dtype=numpy_dtype(dtype), num_loops=1, max_seqs=max_num_seqs,
+            head_dim=head_size, dtype=numpy_dtype(dtype), num_loops=2, max_seqs=max_num_seqs,
         )  # fmt: skip
     except ValueError as e:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} with block_size {block_size}, "
                          f"head_size {head_size}: {e}") from None  # fmt: skip
     stage = (max_num_seqs + 1, block_size, num_kv_heads, head_size)
+    role = "base" if previous is None else "residual"
     return ServingKVCache(
         **common, config=config, dtype=dtype,
-        k_pages=_empty_pages(config, "key", device),
-        v_pages=_empty_pages(config, "value", device),
+        k_pages=_empty_pages(config, "key", device, role),
+        v_pages=_empty_pages(config, "value", device, role),
         k_stage=torch.zeros(stage, dtype=dtype, device=device),
         v_stage=torch.zeros(stage, dtype=dtype, device=device),
         stage_block=torch.full((max_num_seqs + 1,), -1, dtype=torch.int64, device=device),
         block_stage=torch.full((num_blocks + 1,), -1, dtype=torch.int64, device=device),
         stage_count=torch.zeros((max_num_seqs + 1,), dtype=torch.int64, device=device),
         overflow=torch.zeros((), dtype=torch.int64, device=device),
+        previous=previous, loop=0 if previous is None else previous.loop + 1,
     )  # fmt: skip
+
+
+def _check_previous(previous, policy, kv_cache_dtype, num_blocks, block_size, num_kv_heads,
+                    head_size, dtype, device) -> None:  # fmt: skip
+    if not isinstance(previous, ServingKVCache):
+        raise TypeError(f"previous must be a ServingKVCache (allocate_kv_cache), got "
+                        f"{type(previous).__name__}")  # fmt: skip
+    if policy is None:
+        raise ValueError(f"previous: kv_cache_dtype {kv_cache_dtype!r} stores raw rows; "
+                         "residual loops need a quantized kv_cache_dtype")  # fmt: skip
+    mine = (policy.name, num_blocks, block_size, num_kv_heads, head_size, dtype, device)
+    p = previous
+    theirs = (getattr(p.policy, "name", None), p.num_blocks, p.block_size, p.num_kv_heads,
+              p.head_size, p.dtype, p.device)  # fmt: skip
+    if mine != theirs:
+        raise ValueError("previous: the loop before must be the same policy, num_blocks, "
+                         "block_size, num_kv_heads, head_size, dtype and device: "
+                         f"{theirs} vs {mine}")  # fmt: skip
 
 
 def _check_cache(cache) -> ServingKVCache:
@@ -344,43 +383,55 @@ def _groups(keyed: torch.Tensor):
 
 
 def _write_staged(cache, key, value, block, offset, valid) -> None:
-    """Rows of blocks that stay open or were open before into staging rows (new blocks take
-    free rows); blocks opened and completed in this call go straight to their pages."""
+    """Rows of blocks that were open before into their staging rows, and the blocks they
+    complete packed (their rows freed); then rows of blocks opened in this call that stay open
+    into free staging rows (so a sequence that completes one block and opens the next in one
+    call needs one row); blocks opened and completed in this call go straight to their pages."""
     s, bs, n = cache.max_num_seqs, cache.block_size, block.shape[0]
     row = cache.block_stage[block]  # [n], -1: the block has no staging row
     is_last = valid & (offset == bs - 1)
+    old = valid & (row >= 0)
     rank, first = _groups(block)  # the scratch block (padded tokens) is one group too
     completes = torch.zeros(n, dtype=torch.bool, device=block.device)
     completes = completes.scatter_reduce(0, rank, is_last, "amax")[rank]
     new = valid & (row < 0)
-    # blocks written whole in this call: packed from the tokens, no staging row
-    whole = new & completes
+    whole = new & completes  # written whole in this call: packed from the tokens, no row
     keep = new & ~completes
-    # one free staging row per distinct new block that stays open, ranked by a sort
+    # one free staging row per distinct new block that stays open, ranked by a sort; the rows
+    # of the old blocks this call completes are free by then
     kept_rank, _ = _groups(torch.where(keep, block, cache.num_blocks + 1))
+    if (
+        host_checks(block)
+        and bool(  # host memory: no sync; checked before any write
+            (keep & (kept_rank >= (cache.stage_block[:s] < 0).sum() + (is_last & old).sum())).any()
+        )
+    ):
+        raise ValueError(
+            f"reshape_and_cache: more blocks open at once than max_num_seqs "
+            f"({cache.max_num_seqs}) staging rows; allocate the cache with a larger max_num_seqs"
+        )
+    # blocks open before this call: their rows, then the ones completed are packed
+    old_row = torch.where(old, row, s)
+    cache.k_stage[old_row, offset] = key.to(cache.dtype)
+    cache.v_stage[old_row, offset] = value.to(cache.dtype)
+    cache.stage_count.index_add_(0, old_row, old.to(torch.int64))
+    _reset_scratch(cache)
+    _pack_staged(cache, block, old_row, is_last & old, min(n, s))
+    # blocks opened in this call that stay open: free rows
     free = cache.stage_block[:s] < 0
     free_rows = torch.argsort((~free).to(torch.int8), stable=True)  # free rows first
     fits = kept_rank < free.sum()
     new_row = free_rows[kept_rank.clamp(max=s - 1)]
     assign = keep & fits
-    if host_checks(block) and bool((keep & ~fits).any()):  # host memory: no sync
-        raise ValueError(
-            f"reshape_and_cache: more blocks open at once than max_num_seqs "
-            f"({cache.max_num_seqs}) staging rows; allocate the cache with a larger max_num_seqs"
-        )
     cache.overflow += (keep & ~fits).sum()  # on CUDA such rows are dropped and counted
-    row = torch.where(assign, new_row, row)
-    staged = valid & ~whole & (row >= 0)
-    row = torch.where(staged, row, s)  # padded, whole-block and overflowing tokens: scratch
-    cache.stage_block.index_put_((torch.where(assign, row, s),),
-                                 torch.where(assign, block, -1))  # fmt: skip
+    row = torch.where(assign, new_row, s)  # everything else: the scratch row
+    cache.stage_block.index_put_((row,), torch.where(assign, block, -1))
     cache.block_stage.index_put_((torch.where(assign, block, cache.num_blocks),),
                                  torch.where(assign, row, -1))  # fmt: skip
     cache.k_stage[row, offset] = key.to(cache.dtype)
     cache.v_stage[row, offset] = value.to(cache.dtype)
-    cache.stage_count.index_add_(0, row, staged.to(torch.int64))
+    cache.stage_count.index_add_(0, row, assign.to(torch.int64))
     _reset_scratch(cache)
-    _pack_staged(cache, block, row, is_last & staged, min(n, s))
     if n >= bs:
         _pack_whole(cache, key, value, block, offset, whole, rank, first, n // bs)
 
@@ -393,9 +444,12 @@ def _reset_scratch(cache) -> None:
 
 
 def _store_pages(cache, k_pages: torch.Tensor, v_pages: torch.Tensor, blocks) -> None:
-    """Pack [m, block_size, H, D] K / V pages and write them at `blocks` [m] (in place)."""
+    """Pack [m, block_size, H, D] K / V pages and write them at `blocks` [m] (in place); a
+    residual cache packs their deltas against loop - 1's reconstructed blocks."""
     for kind, raw, pages in (("key", k_pages, cache.k_pages), ("value", v_pages, cache.v_pages)):
-        packed = pack_paged(raw, **cache.config.pack_args(kind, "base"))
+        if cache.previous is not None:
+            raw = subtract_in_dtype(raw.to(cache.dtype), _decoded(cache.previous, kind, blocks))
+        packed = pack_paged(raw, **cache.config.pack_args(kind, cache.role))
         for name, arr in packed.arrays.items():
             pages.arrays[name][blocks] = arr
 
@@ -450,10 +504,17 @@ def read_blocks(cache: ServingKVCache, block_tables: torch.Tensor) -> tuple[torc
         rows = cache.block_stage[flat]
         open_ = (rows >= 0)[:, None, None, None]
         rows = rows.clamp(min=0)
-        out = []
-        for pages, stage in ((cache.k_pages, cache.k_stage), (cache.v_pages, cache.v_stage)):
-            picked = dataclasses.replace(pages, **{n: a[flat] for n, a in pages.arrays.items()})
-            decoded = unpack_paged(picked, cache.config.dtype).to(cache.dtype)
-            out.append(torch.where(open_, stage[rows], decoded))
-        k, v = out
+        k, v = (torch.where(open_, stage[rows], _decoded(cache, kind, flat))
+                for kind, stage in (("key", cache.k_stage), ("value", cache.v_stage)))  # fmt: skip
     return k.reshape(b, m * bs, h, d), v.reshape(b, m * bs, h, d)
+
+
+def _decoded(cache: ServingKVCache, kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Packed blocks `blocks` [m] of K or V decoded [m, block_size, H, D] in the cache dtype,
+    through the residual chain (loop 0's block, plus each later loop's decoded delta)."""
+    pages = cache.k_pages if kind == "key" else cache.v_pages
+    picked = dataclasses.replace(pages, **{n: a[blocks] for n, a in pages.arrays.items()})
+    decoded = unpack_paged(picked, cache.config.dtype).to(cache.dtype)
+    if cache.previous is None:
+        return decoded
+    return add_in_dtype(_decoded(cache.previous, kind, blocks), decoded)
