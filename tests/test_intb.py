@@ -344,13 +344,16 @@ def test_key_table_policies_are_checked_or_refused_everywhere():
     from kvq_torch_bridge.model_eval.evaluate import check_key_tables
     from kvq_torch_bridge.model_eval.hooks import KVQuantizer
 
-    def loaded(model, layers):
-        config = types.SimpleNamespace(num_hidden_layers=layers)
+    def loaded(model, layers, kv_heads=3):
+        config = types.SimpleNamespace(num_hidden_layers=layers, num_attention_heads=9,
+                                       num_key_value_heads=kv_heads, hidden_size=576)  # fmt: skip
         return types.SimpleNamespace(
             source={"model": model}, name=model, model=types.SimpleNamespace(config=config)
         )
 
     assert check_key_tables(policy, loaded("smollm2", 30)) is get_key_tables("smollm2")
+    with pytest.raises(ValueError, match=r"is for \(3, 64\) \(KV heads, head dim\)"):
+        check_key_tables(policy, loaded("smollm2", 30, kv_heads=9))
     with pytest.raises(ValueError, match="its key tables are for"):
         check_key_tables(policy, loaded("tiny", 2))
     with pytest.raises(ValueError, match=r"no key table for layers \[30\]"):

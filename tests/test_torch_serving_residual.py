@@ -159,7 +159,7 @@ def test_previous_is_checked():
     base = allocate_kv_cache("int4", NUM_BLOCKS, BS, H, D, max_num_seqs=SEQS)
     with pytest.raises(ValueError, match="previous: the loop before must be the same"):
         allocate_kv_cache("nvfp4", NUM_BLOCKS, BS, H, D, max_num_seqs=SEQS, previous=base)
-    with pytest.raises(ValueError, match="previous: .*raw rows"):
+    with pytest.raises(ValueError, match=r"previous: .*raw rows"):
         allocate_kv_cache("bfloat16", NUM_BLOCKS, BS, H, D, previous=base)
     with pytest.raises(TypeError, match="previous must be a ServingKVCache"):
         allocate_kv_cache("int4", NUM_BLOCKS, BS, H, D, previous="loop 0")

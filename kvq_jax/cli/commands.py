@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=loops.DESCRIPTION,
     )
     loops.add_arguments(loop_parser)
+    from kvq_jax.report import calibrate
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="INTB key tables for a model from text (for --tables)",
+        description=calibrate.DESCRIPTION,
+    )
+    calibrate.add_arguments(cal)
     return parser
 
 
@@ -176,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvq_jax.report import loops
 
         return loops.run(args)
+    if args.command == "calibrate":
+        from kvq_jax.report import calibrate
+
+        return calibrate.run(args)
     return 2  # unreachable: argparse rejects unknown commands
 
 

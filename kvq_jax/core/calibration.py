@@ -165,9 +165,13 @@ class KeyTables:
     mean_query: dict[int, np.ndarray] | None = None
     rope_theta: float | None = None
 
-    def check_fit(self, policy_name: str, model_names, num_layers: int) -> None:
+    def check_fit(self, policy_name: str, model_names, num_layers: int, *,
+                  num_kv_heads: int | None = None, head_dim: int | None = None,
+                  rope_theta: float | None = None) -> None:  # fmt: skip
         """ValueError unless one of `model_names` (the names a model goes by; the first is
-        quoted) is among `models` and every layer in [0, num_layers) has a table."""
+        quoted) is among `models`, every layer in [0, num_layers) has a table, each table is
+        [num_kv_heads][head_dim] (when given), and pre-RoPE tables were calibrated for the
+        model's RoPE base `rope_theta` (when given)."""
         names = list(model_names)
         if not any(name in self.models for name in names):
             raise ValueError(
@@ -177,6 +181,16 @@ class KeyTables:
         missing = sorted(set(range(num_layers)) - set(self.tables))
         if missing:
             raise ValueError(f"policy {policy_name!r}: no key table for layers {missing}")
+        for layer in range(num_layers):
+            shape = (len(self.tables[layer]), len(self.tables[layer][0]))
+            if (num_kv_heads or shape[0], head_dim or shape[1]) != shape:
+                raise ValueError(f"policy {policy_name!r}: layer {layer}'s key table is for "
+                                 f"{shape} (KV heads, head dim), the model has "
+                                 f"({num_kv_heads}, {head_dim})")  # fmt: skip
+        theirs = self.rope_theta
+        if theirs is not None and rope_theta is not None and float(rope_theta) != float(theirs):
+            raise ValueError(f"policy {policy_name!r}: its pre-RoPE key tables are for RoPE "
+                             f"base {theirs}, the model's is {rope_theta}")  # fmt: skip
 
     def heavy_table(self, policy_name: str, layer: int) -> np.ndarray:
         """The bfloat16 mean-query table of model layer `layer`, or a ValueError."""
@@ -246,11 +260,67 @@ SHIPPED_KEY_TABLES = {
     "smollm2-heavy": "intb_smollm2_heavy.npz",
     "smollm2-heavy-prerope": "intb_smollm2_heavy_prerope.npz",
 }
+#: Prefix of the table-set names of files (`register_key_tables`): "file:<absolute path>".
+FILE_PREFIX = "file:"
 
 
 @functools.cache
-def get_key_tables(name: str) -> KeyTables:
-    """The shipped table set `name` (a policy's `key_tables`), or a ValueError listing them."""
-    if name not in SHIPPED_KEY_TABLES:
-        raise ValueError(f"key_tables must be one of {sorted(SHIPPED_KEY_TABLES)}, got {name!r}")
+def _shipped(name: str) -> KeyTables:
     return load_key_tables(data.path(SHIPPED_KEY_TABLES[name]))
+
+
+@functools.cache
+def _from_file(path: str) -> KeyTables:
+    return load_key_tables(path)
+
+
+def get_key_tables(name: str) -> KeyTables:
+    """The table set `name` (a policy's `key_tables`): a shipped one, or "file:<path>" (a
+    file `kvq calibrate` wrote); a ValueError listing the shipped ones otherwise."""
+    if name.startswith(FILE_PREFIX):
+        return _from_file(name.removeprefix(FILE_PREFIX))
+    if name not in SHIPPED_KEY_TABLES:
+        raise ValueError(f"key_tables must be one of {sorted(SHIPPED_KEY_TABLES)} or "
+                         f"'{FILE_PREFIX}<path>', got {name!r}")  # fmt: skip
+    return _shipped(name)
+
+
+def apply_key_tables(policies, path) -> list:
+    """`with_key_tables` on every policy of `policies` that takes key tables (the others as
+    they are); `path` None returns the list unchanged. ValueError if none takes tables."""
+    policies = list(policies)
+    if path is None:
+        return policies
+    if not any(p.key_tables is not None for p in policies):
+        raise ValueError(f"--tables: none of the policies ({', '.join(p.name for p in policies)}) "
+                         "stores per-layer key tables; pick an intb-* policy")  # fmt: skip
+    return [p if p.key_tables is None else with_key_tables(p, path) for p in policies]
+
+
+def with_key_tables(policy, path):
+    """`policy` (one with `key_tables`) on the tables of file `path` (`kvq calibrate --out`):
+    key_tables "file:<absolute path>", named "<policy without its shipped set's model>@<file
+    stem>" ("intb-hint4-smollm2+win" on t.npz: "intb-hint4@t+win"). ValueError if the policy
+    takes no tables, or the file lacks what the policy needs (mean-query tables for heavy
+    rows; tables for keys before RoPE exactly when the policy stores them so)."""
+    import pathlib
+
+    if policy.key_tables is None:
+        raise ValueError(f"--tables: policy {policy.name!r} stores no per-layer key tables "
+                         "(use an intb-* policy)")  # fmt: skip
+    path = pathlib.Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"--tables: {path} does not exist")
+    tables = _from_file(str(path))
+    if policy.heavy is not None and tables.mean_query is None:
+        raise ValueError(f"--tables: policy {policy.name!r} stores heavy rows and {path.name} "
+                         "has no mean-query tables (kvq calibrate --mean-query)")  # fmt: skip
+    if policy.pre_rope != (tables.rope_theta is not None):
+        want = "before RoPE (kvq calibrate --pre-rope)" if policy.pre_rope else "after RoPE"
+        raise ValueError(f"--tables: policy {policy.name!r} stores keys {want}; {path.name} "
+                         f"was calibrated for the other")  # fmt: skip
+    # "intb-hint4-smollm2+win" on t.npz: "intb-hint4@t+win" (the shipped set's model dropped)
+    name = policy.name.replace("-" + policy.key_tables.split("-")[0].split(":")[0], "")
+    base, plus, win = name.partition("+")
+    return dataclasses.replace(policy, name=f"{base}@{path.stem}{plus}{win}",
+                               key_tables=FILE_PREFIX + str(path))  # fmt: skip

@@ -125,7 +125,9 @@ def layer_policies(policy: Policy, model, num_loops: int | None = None) -> tuple
 
     tables = get_key_tables(policy.key_tables)
     name = model.source.get("model") if isinstance(model.source, dict) else None
-    tables.check_fit(policy.name, [name], num_layers)
+    c = model.config
+    tables.check_fit(policy.name, [name], num_layers, num_kv_heads=c.num_kv_heads,
+                     head_dim=c.head_dim, rope_theta=c.rope_theta)  # fmt: skip
     return per_layer_policies(policy, tables, range(num_layers), register_table)
 
 

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Ouro: the early-exit threshold (default: the checkpoint's; "
                              "< 1 exits early and skips the loops after)")  # fmt: skip
     parser.add_argument("--compare", default=None, help="also run this policy (e.g. bf16)")
+    parser.add_argument("--tables", default=None, metavar="TABLES.npz",
+                        help="key tables from kvq calibrate for an intb-* policy (instead of "
+                             "the shipped ones its name gives)")  # fmt: skip
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--page-size", type=int, default=64)
@@ -201,9 +204,12 @@ def run(args) -> int:
     from kvq_jax.models import load_model
 
     try:
+        from kvq_jax.core.calibration import apply_key_tables
+
         policies = [resolve_policy(args.policy)]
         if args.compare:
             policies.append(resolve_policy(args.compare))
+        policies = apply_key_tables(policies, args.tables)
         for name in ("max_new_tokens", "page_size", "prefill_chunk"):
             if getattr(args, name) < 1:
                 raise _Error(f"--{name.replace('_', '-')} must be >= 1")
@@ -229,7 +235,7 @@ def run(args) -> int:
             runs.append(base)
         for r in runs:
             r.pop("logits")
-    except (_Error, ValueError) as e:
+    except (_Error, ValueError, FileNotFoundError) as e:
         print(f"kvq generate: error: {e}", file=sys.stderr)
         return 2
     cfg = model.config

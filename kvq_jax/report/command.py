@@ -31,6 +31,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "the engine do not serve are marked, with the reason); default: the served policies "
         f"{', '.join(DEFAULT_REPORT)}; all names: {', '.join(POLICIES)}",
     )
+    parser.add_argument(
+        "--tables",
+        default=None,
+        metavar="TABLES.npz",
+        help="key tables from kvq calibrate for the intb-* policies (instead of the shipped "
+        "ones their names give)",
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every number")
     parser.add_argument(
         "--plot", default=None, metavar="FILE.png", help="error vs bits/element (needs [plot])"
@@ -87,12 +94,13 @@ def _error(message: str) -> int:
 
 def run(args) -> int:
     """The capture report; returns the exit code."""
+    from kvq_jax.core.calibration import apply_key_tables
     from kvq_jax.core.policies import parse_policies
     from kvq_jax.report import capture as cap
 
     try:
-        policies = parse_policies(args.policies)
-    except ValueError as e:
+        policies = apply_key_tables(parse_policies(args.policies), args.tables)
+    except (ValueError, FileNotFoundError) as e:
         return _error(str(e))
     if args.plot is not None:
         try:

@@ -89,10 +89,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _policies(args):
+    from kvq_jax.core.calibration import apply_key_tables
     from kvq_jax.core.policies import parse_policies
 
     text = getattr(args, "policies", None)
-    return parse_policies(text)
+    return apply_key_tables(parse_policies(text), getattr(args, "tables", None))
 
 
 def _fitting_policies(args, policies, loaded):
@@ -190,7 +191,7 @@ def run_model_report(args) -> int:
 
     try:
         policies = _policies(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"kvq report: error: {e}", file=sys.stderr)
         return 2
     if args.text is not None and args.tokens is not None:

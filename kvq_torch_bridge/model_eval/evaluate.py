@@ -47,20 +47,21 @@ def _forward(loaded: LoadedModel, ids, keep, quantizer=None):
 
 
 def check_key_tables(policy: Policy, loaded: LoadedModel):
-    """The shipped key tables of a `key_tables` policy, if they are for `loaded`'s model and
-    cover its layers; else a ValueError saying why."""
+    """The key tables of a `key_tables` policy, if they are for `loaded`'s model (name, layers,
+    KV heads, head dim, RoPE base of pre-RoPE tables); else a ValueError saying why."""
     from kvq_jax.core.calibration import get_key_tables
 
     tables = get_key_tables(policy.key_tables)
     model = loaded.source.get("model") if isinstance(loaded.source, dict) else None
-    tables.check_fit(policy.name, [loaded.name, model], int(loaded.model.config.num_hidden_layers))
-    if tables.rope_theta is not None:
-        theta = _rope_theta(loaded.model.config)
-        if theta != tables.rope_theta:
-            raise ValueError(
-                f"policy {policy.name!r}: its pre-RoPE key tables are for RoPE base "
-                f"{tables.rope_theta}, the model's is {theta}"
-            )
+    config = loaded.model.config
+    q_heads = getattr(config, "num_attention_heads", None)
+    heads = getattr(config, "num_key_value_heads", None) or q_heads
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and q_heads and getattr(config, "hidden_size", None):
+        head_dim = config.hidden_size // q_heads
+    tables.check_fit(policy.name, [loaded.name, model], int(config.num_hidden_layers),
+                     num_kv_heads=heads, head_dim=head_dim,
+                     rope_theta=_rope_theta(config))  # fmt: skip
     return tables
 
 
