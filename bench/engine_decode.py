@@ -108,8 +108,8 @@ def fill(engine: Engine, context: int, seed: int = 0) -> None:
         if isinstance(store, RawStore):
             like = jax.ShapeDtypeStruct(store.k.shape, engine.dtype)
             del store
-            k_rows = random_leaf(jax.random.fold_in(k, 0), like)
-            v_rows = random_leaf(jax.random.fold_in(k, 1), like)
+            k_rows = jax.block_until_ready(random_leaf(jax.random.fold_in(k, 0), like))
+            v_rows = jax.block_until_ready(random_leaf(jax.random.fold_in(k, 1), like))
             stores.append(RawStore.from_values(k_rows, v_rows))
             continue
         cache = store.cache

@@ -73,10 +73,18 @@ def _draw(key, shape, dtype):
 def _random_array(key, shape, dtype, chunk_bytes):
     if len(shape) < 2:
         return _draw(key, shape, dtype)
-    row_bytes = int(np.prod(shape[1:])) * 4  # float32 / uint32 temporaries
-    keys = jax.random.split(key, shape[0])
-    batch = max(1, min(shape[0], chunk_bytes // max(row_bytes, 1)))
-    return lax.map(lambda k: _draw(k, shape[1:], dtype), keys, batch_size=batch)
+    # slabs over the leading axes merged until a slab's temporaries (float32 / uint32: 4 bytes
+    # per element) fit chunk_bytes: a plane [1, P, ...] (one loop) is cut along P, not drawn
+    # whole
+    split = 1
+    while split < len(shape) - 1 and int(np.prod(shape[split:])) * 4 > chunk_bytes:
+        split += 1
+    lead, rest = int(np.prod(shape[:split])), shape[split:]
+    row_bytes = int(np.prod(rest)) * 4
+    keys = jax.random.split(key, lead)
+    batch = max(1, min(lead, chunk_bytes // max(row_bytes, 1)))
+    out = lax.map(lambda k: _draw(k, rest, dtype), keys, batch_size=batch)
+    return out.reshape(shape)
 
 
 def random_leaf(key, leaf, *, chunk_bytes: int = 1 << 26):

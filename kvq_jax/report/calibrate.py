@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pre-rope", action="store_true",
                         help="tables for keys stored before RoPE (the model's base)")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--names", default="", metavar="A,B",
+                        help="more names the tables' model goes by (a capture's meta 'model'); "
+                             "--model, its folder name and a GGUF's model name always")  # fmt: skip
     parser.add_argument("--save-capture", default=None, metavar="FILE.npz",
                         help="also write the capture (kvq report --kv format)")  # fmt: skip
 
@@ -155,7 +158,11 @@ def run(args) -> int:
         if model.tokenizer is None:
             raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer")
         ids, where = token_windows(model.tokenizer, args.text, args.windows, args.tokens)
-        names = list(dict.fromkeys([args.model, pathlib.Path(args.model).name]))
+        names = [args.model, pathlib.Path(args.model).name, *args.names.split(",")]
+        path = pathlib.Path(str(model.source.get("path", "")))
+        if path.suffix == ".gguf":  # "SmolLM2-135M-Instruct.Q4_1.gguf": a capture's model name
+            names.append(path.name.split(".")[0])
+        names = [n for n in dict.fromkeys(names) if n]
         source = (f"kvq calibrate: {args.windows} windows x {args.tokens} tokens of "
                   f"{', '.join(pathlib.Path(f).name for f in args.text)}")  # fmt: skip
         capture = capture_from_model(model, ids, batch=args.batch,
