@@ -256,7 +256,7 @@ def test_manual_forward_loop(model):
     "kwargs, match",
     [
         (dict(policy="int5"), "policy 'int5' is not"),
-        (dict(policy="intb-smollm2"), "policy 'intb-smollm2' cannot be served"),
+        (dict(policy="intb-smollm2"), r"does not fit policy 'intb-smollm2': .*key table is for"),
         (dict(policy="loops-abs-v2442"), "policy 'loops-abs-v2442' cannot be served"),
         (dict(policy="fp8_e5m2"), "policy 'fp8_e5m2' cannot be served"),
         (dict(policy="int4-g64", block_size=32), "block_size 32"),
@@ -367,3 +367,21 @@ def test_imports_transformers_on_first_use_and_no_jax():
         "assert 'jax' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_calibrated_policy_takes_each_layers_table():
+    """ "intb-hint4-smollm2" on a config of SmolLM2's shape: layer i's cache holds keys in the
+    INTB format of SmolLM2's table of layer i."""
+    from transformers import LlamaConfig
+
+    from kvq_jax.core.calibration import get_key_tables
+    from kvq_torch_bridge import KVQCache
+
+    config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, hidden_size=576, vocab_size=64)  # fmt: skip
+    cache = KVQCache(config, policy="intb-hint4-smollm2")
+    states = torch.randn(1, 3, 70, 64).to(torch.bfloat16)
+    for layer in (2, 15):
+        cache.update(states, states, layer)
+        fmt = cache.layers[layer].serving.policy.base_format
+        assert fmt == kt.IntBCodec(get_key_tables("smollm2").table(layer)).name

@@ -165,3 +165,66 @@ def test_pages_equal_kvq_jax_paged_cache(kv_cache_dtype):
                     assert np.array_equal(got, want), (s, i, name)
             checked += 1
     assert checked == 3  # one complete block per sequence in this schedule
+
+
+@pytest.mark.parametrize("layer", [2, 15])
+def test_calibrated_policy_per_layer_equals_kvq_jax(layer):
+    """kv_cache_dtype "kvq:intb-hint4-smollm2" (keys INTB with SmolLM2's table of the given
+    model layer, values HINT4), SmolLM2's head shape: one cache per layer, its complete blocks
+    the bytes of kvq_jax's paged cache under that layer's policy (the engine's)."""
+    from kvq_jax.codecs.formats.intb import register_table as jax_register
+    from kvq_jax.core.calibration import get_key_tables
+    from kvq_jax.core.policies import POLICIES, per_layer_policies
+
+    h, d, blocks = 3, 64, 6
+    gen = torch.Generator().manual_seed(layer)
+    cache = allocate_kv_cache("kvq:intb-hint4-smollm2", blocks, BS, h, d, max_num_seqs=2,
+                              layer=layer)  # fmt: skip
+    policy = POLICIES["intb-hint4-smollm2"]
+    (jax_policy,) = per_layer_policies(policy, get_key_tables(policy.key_tables), [layer],
+                                       jax_register)  # fmt: skip
+    assert cache.policy == jax_policy  # the same formats, registered in each stack
+    k = torch.randn(150, h, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(150, h, d, generator=gen).to(torch.bfloat16)
+    table = [4, 1, 3]
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(150)])
+    reshape_and_cache(k[:70], v[:70], cache, slots[:70])  # block 4 whole, block 1 staged
+    reshape_and_cache(k[70:], v[70:], cache, slots[70:])  # block 1 completes, block 3 staged
+    config = cache_config_for(jax_policy, num_pages=blocks, page_size=BS, num_heads=h,
+                              head_dim=d, dtype="bfloat16", num_loops=1, max_seqs=1)  # fmt: skip
+    jc = jax_cache.init_cache(config)
+    bt = jnp.asarray(np.asarray([table + [0] * 3], np.int32))
+    for a, b in ((0, 70), (70, 150)):
+        jc = jax_cache.append(jc, jnp.asarray(k[a:b].float().numpy(), jnp.bfloat16)[None],
+                              jnp.asarray(v[a:b].float().numpy(), jnp.bfloat16)[None],
+                              block_tables=bt, seq_ids=jnp.asarray([0], jnp.int32),
+                              loop=0)  # fmt: skip
+    for block in table[:2]:
+        for mine, theirs in ((cache.k_pages, jc.k_base), (cache.v_pages, jc.v_base)):
+            for name, arr in mine.arrays.items():
+                want = np.asarray(theirs.arrays[name][block]).reshape(-1).view(np.uint8)
+                assert np.array_equal(arr[block].reshape(-1).view(torch.uint8).numpy(), want)
+    # decode attention reads what it stored: the dense reference over the decoded blocks
+    q = torch.randn(1, 9, d, generator=gen)
+    from kvq_torch_bridge.serving import paged_attention_decode
+
+    out = paged_attention_decode(q, cache, torch.tensor([table]), torch.tensor([150]))
+    kk = torch.cat([kt.unpack_kv(kt.pack_kv(k[i * BS : (i + 1) * BS],
+                                            **cache.config.pack_args("key", "base")))
+                    .to(torch.bfloat16) for i in range(2)] + [k[128:]])  # fmt: skip
+    vv = torch.cat([kt.unpack_kv(kt.pack_kv(v[i * BS : (i + 1) * BS],
+                                            **cache.config.pack_args("value", "base")))
+                    .to(torch.bfloat16) for i in range(2)] + [v[128:]])  # fmt: skip
+    torch.testing.assert_close(out[0], attention(q[0], kk, vv), rtol=1e-5, atol=1e-5)
+
+
+def test_calibrated_policy_needs_its_layer():
+    with pytest.raises(ValueError, match="layer: policy 'intb-hint4-smollm2' has per-layer"):
+        allocate_kv_cache("kvq:intb-hint4-smollm2", 4, BS, 3, 64)
+    with pytest.raises(ValueError, match="no key table for layer 30"):
+        allocate_kv_cache("kvq:intb-hint4-smollm2", 4, BS, 3, 64, layer=30)
+    with pytest.raises(ValueError, match=r"is for \(3, 64\)"):
+        allocate_kv_cache("kvq:intb-hint4-smollm2", 4, BS, 2, 64, layer=3)
+    base = allocate_kv_cache("kvq:intb-hint4-smollm2", 4, BS, 3, 64, layer=3)
+    with pytest.raises(ValueError, match="the loop before must be the same"):
+        allocate_kv_cache("kvq:intb-hint4-smollm2", 4, BS, 3, 64, layer=4, previous=base)

@@ -157,9 +157,10 @@ class KVQLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, spec: _Spec):
+    def __init__(self, spec: _Spec, layer: int = 0):
         super().__init__()
         self.spec = spec
+        self.layer = layer  # the model layer (a policy with per-layer key tables)
         self._clear()
 
     def _clear(self) -> None:
@@ -283,7 +284,7 @@ class KVQLayer(CacheLayerMixin):
         return allocate_kv_cache(
             self.spec.kv_cache_dtype, self.blocks_per_seq * num_seqs, self.spec.block_size,
             self.spec.num_kv_heads, self.spec.head_dim, dtype=self.dtype, device=self.device,
-            max_num_seqs=num_seqs,
+            max_num_seqs=num_seqs, layer=self.layer,
         )  # fmt: skip
 
     def _check_states(self, key_states, value_states) -> None:
@@ -511,20 +512,20 @@ class KVQCache(Cache):
         for name, flag in (("keep_decoded", keep_decoded), ("raw_new_tokens", raw_new_tokens)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
-        _check_fit(kv_cache_dtype, policy, block_size, kv_heads, head_dim)
+        _check_fit(kv_cache_dtype, policy, block_size, kv_heads, head_dim, num_layers)
         if sink > block_size:
             raise ValueError(f"block_size {block_size} must hold policy {policy!r}'s {sink} "
                              "sink rows")  # fmt: skip
         self.spec = _Spec(policy, kv_cache_dtype, sink, block_size, kv_heads, head_dim,
                           keep_decoded, raw_new_tokens, max_cache_len)  # fmt: skip
-        super().__init__(layers=[KVQLayer(self.spec) for _ in range(num_layers)])
+        super().__init__(layers=[KVQLayer(self.spec, i) for i in range(num_layers)])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """`Cache.update`; a `layer_idx` past the config's layers adds layers."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
         while len(self.layers) <= layer_idx:
-            self.layers.append(KVQLayer(self.spec))
+            self.layers.append(KVQLayer(self.spec, len(self.layers)))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def memory(self) -> dict[str, int]:
@@ -541,18 +542,33 @@ class KVQCache(Cache):
         return sum(layer.page_bytes() for layer in self.layers) / self.spec.block_size
 
 
-def _check_fit(kv_cache_dtype: str, policy: str, block_size: int, heads: int, head_dim: int):
+def _check_fit(kv_cache_dtype: str, policy: str, block_size: int, heads: int, head_dim: int,
+               num_layers: int):  # fmt: skip
     """A policy whose formats do not fit the config's head_dim (ValueError naming config) or
-    the block size (naming block_size)."""
-    if policy_for_kv_cache_dtype(kv_cache_dtype) is None:
+    the block size (naming block_size); a per-layer key-tables policy must have a table of the
+    config's KV heads x head_dim for each of its layers (the model's name is not checked: a
+    transformers config does not say which model it is)."""
+    kvq_policy = policy_for_kv_cache_dtype(kv_cache_dtype)
+    if kvq_policy is None:
         return
+    if kvq_policy.key_tables is not None:
+        from kvq_jax.core.calibration import get_key_tables
+
+        tables = get_key_tables(kvq_policy.key_tables)
+        try:
+            tables.check_fit(policy, tables.models[:1], num_layers, num_kv_heads=heads,
+                             head_dim=head_dim)  # fmt: skip
+        except ValueError as e:
+            shape = f"{num_layers} layers, {heads} KV heads, head_dim {head_dim}"
+            raise ValueError(f"config ({shape}) does not fit policy {policy!r}: {e}") from None
     widest = 256  # a page size every token-axis group of kvq's formats divides
     try:
-        allocate_kv_cache(kv_cache_dtype, 1, widest, heads, head_dim, max_num_seqs=1)
+        allocate_kv_cache(kv_cache_dtype, 1, widest, heads, head_dim, max_num_seqs=1, layer=0)
     except ValueError as e:
         raise ValueError(f"config (head_dim {head_dim}, {heads} KV heads) does not fit policy "
                          f"{policy!r}: {e}") from None  # fmt: skip
     try:
-        allocate_kv_cache(kv_cache_dtype, 1, block_size, heads, head_dim, max_num_seqs=1)
+        allocate_kv_cache(kv_cache_dtype, 1, block_size, heads, head_dim, max_num_seqs=1,
+                          layer=0)  # fmt: skip
     except ValueError as e:
         raise ValueError(f"block_size {block_size} does not fit policy {policy!r}: {e}") from None

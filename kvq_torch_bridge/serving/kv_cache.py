@@ -84,7 +84,7 @@ REFUSED_DTYPES = {
 def _served_policies() -> dict[str, str]:
     names = {}
     for name, policy in POLICIES.items():
-        if not policy.quantized or policy.window is not None or policy.key_tables is not None:
+        if not policy.quantized or policy.window is not None:
             continue
         uniform = all(len(set(policy.loop_formats(kind, 4))) == 1 for kind in ("key", "value"))
         if uniform and serving_support(policy, num_loops=1).served:
@@ -218,14 +218,19 @@ def allocate_kv_cache(
     device=None,
     max_num_seqs: int = 256,
     previous: ServingKVCache | None = None,
+    layer: int | None = None,
 ) -> ServingKVCache:
     """A zeroed cache of `num_blocks` blocks of `block_size` tokens x `num_kv_heads` x
     `head_size`, rows in `dtype` (bfloat16 / float16 / float32), on `device` (default CPU).
     `max_num_seqs`: the most sequences with an open (partly written) block at once (staging
     rows of quantized formats). `previous`: the same layer's cache of the loop before, to
     store this loop as residual deltas against it (a quantized kv_cache_dtype, the same
-    geometry, dtype and device). ValueError / TypeError naming the argument."""
+    geometry, dtype and device). `layer`: the model layer, for a policy with per-layer key
+    tables (`intb-*`: that layer's INTB format; required there, ignored elsewhere).
+    ValueError / TypeError naming the argument."""
     policy = policy_for_kv_cache_dtype(kv_cache_dtype)
+    if policy is not None and policy.key_tables is not None:
+        policy = _layer_policy(policy, layer, num_kv_heads, head_size)
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size),
                         ("max_num_seqs", max_num_seqs)):  # fmt: skip
@@ -272,6 +277,29 @@ def allocate_kv_cache(
     )  # fmt: skip
 
 
+def _layer_policy(policy: Policy, layer, num_kv_heads: int, head_size: int) -> Policy:
+    """Model layer `layer`'s policy of a key-tables policy, its INTB format registered in the
+    Torch registry (`per_layer_policies`); ValueError naming `layer` when it is missing or has
+    no table, or the table is for another head shape."""
+    from kvq_jax.core.calibration import get_key_tables
+    from kvq_jax.core.policies import per_layer_policies
+    from kvq_torch_bridge.codecs.formats.intb import register_table
+
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer: policy {policy.name!r} has per-layer key tables; pass the "
+                         f"model layer (an int >= 0), got {layer!r}")  # fmt: skip
+    tables = get_key_tables(policy.key_tables)
+    if layer not in tables.tables:
+        raise ValueError(f"layer: policy {policy.name!r} has no key table for layer {layer} "
+                         f"(tables for layers {sorted(tables.tables)})")  # fmt: skip
+    shape = (len(tables.tables[layer]), len(tables.tables[layer][0]))
+    if shape != (num_kv_heads, head_size):
+        raise ValueError(f"layer: policy {policy.name!r}'s table of layer {layer} is for "
+                         f"{shape} (num_kv_heads, head_size), not "
+                         f"({num_kv_heads}, {head_size})")  # fmt: skip
+    return per_layer_policies(policy, tables, [layer], register_table)[0]
+
+
 def _check_previous(previous, policy, kv_cache_dtype, num_blocks, block_size, num_kv_heads,
                     head_size, dtype, device) -> None:  # fmt: skip
     if not isinstance(previous, ServingKVCache):
@@ -280,9 +308,10 @@ def _check_previous(previous, policy, kv_cache_dtype, num_blocks, block_size, nu
     if policy is None:
         raise ValueError(f"previous: kv_cache_dtype {kv_cache_dtype!r} stores raw rows; "
                          "residual loops need a quantized kv_cache_dtype")  # fmt: skip
-    mine = (policy.name, num_blocks, block_size, num_kv_heads, head_size, dtype, device)
+    # the policy itself (a key-tables policy's per-layer one: the loop before is the same layer)
+    mine = (policy, num_blocks, block_size, num_kv_heads, head_size, dtype, device)
     p = previous
-    theirs = (getattr(p.policy, "name", None), p.num_blocks, p.block_size, p.num_kv_heads,
+    theirs = (p.policy, p.num_blocks, p.block_size, p.num_kv_heads,
               p.head_size, p.dtype, p.device)  # fmt: skip
     if mine != theirs:
         raise ValueError("previous: the loop before must be the same policy, num_blocks, "
