@@ -11,6 +11,17 @@ delta NLL and top-1 agreement against the engine's own bf16 cache run.
 
     python bench/engine_accuracy.py [--loops 1 4] [--policies int4-g64+win nvfp4+win ...]
         [--windows 4 --prefix 256 --predictions 32] [--json PATH]
+        [--loop-kv all last mean] [--thresholds 1.0 0.5] [--text FILE]
+
+A looped (Ouro) model, e.g. looped-tiny, is read on its checkpoint's held-out text
+(`heldout.txt`) unless --text says otherwise. `--loop-kv` runs every policy under each of the
+engine's loop-KV modes and `--thresholds` under each early-exit threshold (Ouro: the
+checkpoint's `early_exit_threshold` replaced; decode skips the loops after every active row
+has exited); every row is compared with ONE reference, the unquantized "bf16" policy (the
+compute dtype, raw) at the first loop_kv mode and the first threshold, so a row's delta NLL
+is what its policy, mode and threshold cost together. `exit_loop` is the mean 1-based loop
+the predicted tokens exit at (the loops a token needs) and `loops_per_step` the mean loops
+a decode step of the whole batch ran.
 
 What differs from `kvq report --model` (which quantizes each whole window at once, inside
 Torch attention): here keys are grouped per page as they fill (a group never spans a page
@@ -21,8 +32,10 @@ and the prompt's own chunk attends to itself raw during prefill (see `kvq_jax.en
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import pathlib
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,12 +51,14 @@ from kvq_torch_bridge.model_eval.text import text_windows
 DEFAULT_POLICIES = ("int4-g64+win", "int4-g64", "nvfp4+win", "mixed+win", "fp8+win")
 
 
-def forced_logits(model, policy, windows, *, prefix, predictions, loops, page_size):
+def forced_logits(model, policy, windows, *, prefix, predictions, loops, page_size,
+                  loop_kv="all"):  # fmt: skip
     """Logits [W, predictions, V] of the decode steps that predict windows[:, prefix + 1:]."""
     w, total = len(windows), prefix + 1 + predictions
     per_seq = -(-total // page_size)
     engine = Engine(model, policy, num_pages=w * per_seq, page_size=page_size, max_seqs=w,
-                    max_pages_per_seq=per_seq, loops=loops, prefill_chunk=256)  # fmt: skip
+                    max_pages_per_seq=per_seq, loops=loops, prefill_chunk=256,
+                    loop_kv=loop_kv, prefill_batch=w)  # fmt: skip
     requests = [
         engine.add_request(
             ids[: prefix + 1],
@@ -54,7 +69,24 @@ def forced_logits(model, policy, windows, *, prefix, predictions, loops, page_si
         for ids in windows
     ]
     engine.run()
+    engine.exit_loops = np.asarray([r.exit_loops for r in requests])  # [W, predictions]
     return np.stack([np.stack(r.logits) for r in requests]), engine
+
+
+def with_threshold(model, threshold):
+    """The model with its early-exit threshold replaced (None: unchanged)."""
+    if threshold is None:
+        return model
+    if model.config.arch != "ouro":
+        raise SystemExit("--thresholds needs an Ouro model (an exit gate)")
+    config = dataclasses.replace(model.config, early_exit_threshold=threshold)
+    return dataclasses.replace(model, config=config)
+
+
+def default_text(model) -> str | None:
+    """A looped checkpoint's held-out text (looped-tiny's heldout.txt), if it ships one."""
+    path = pathlib.Path(str(model.source.get("path", ""))) / "heldout.txt"
+    return str(path) if model.config.arch == "ouro" and path.is_file() else None
 
 
 def main(argv=None) -> None:
@@ -67,41 +99,58 @@ def main(argv=None) -> None:
     parser.add_argument("--prefix", type=int, default=256)
     parser.add_argument("--predictions", type=int, default=32)
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--loop-kv", nargs="+", default=["all"], choices=("all", "last", "mean"))
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[None],
+                        help="Ouro: early-exit thresholds (default: the checkpoint's)")  # fmt: skip
+    parser.add_argument("--text", default=None,
+                        help="UTF-8 text (default: a looped checkpoint's heldout.txt, else the "
+                             "packaged Lee news and Hamlet)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
     model = load_model(args.model, args.dtype)
+    text = args.text or default_text(model)
     total = args.prefix + 1 + args.predictions
-    windows = [list(w.ids[:total]) for w in text_windows(model.tokenizer, args.windows, total)]
+    windows = [list(w.ids[:total])
+               for w in text_windows(model.tokenizer, args.windows, total, text)]  # fmt: skip
     targets = torch.tensor([ids[args.prefix + 1 : total] for ids in windows])
     rows = []
     print(f"engine teacher-forced accuracy: {args.model} ({args.dtype}), {args.windows} windows "
           f"x {args.predictions} predictions after {args.prefix + 1} tokens, page "
-          f"{args.page_size}")  # fmt: skip
-    print(f"{'loops':>5}  {'policy':<14} {'KL':>9} {'dNLL':>9} {'top-1':>7} {'s':>6}")
+          f"{args.page_size}, text {text or 'Lee news + Hamlet'}")  # fmt: skip
+    print(f"{'loops':>5} {'thr':>4} {'loop_kv':>7}  {'policy':<16} {'KL':>9} {'dNLL':>9} "
+          f"{'top-1':>6} {'NLL':>7} {'exit':>5} {'l/step':>6} {'B/tok':>7} {'s':>5}")  # fmt: skip
     for loops in args.loops:
-        t0 = time.perf_counter()
-        ref, _ = forced_logits(model, "bf16", windows, prefix=args.prefix,
-                               predictions=args.predictions, loops=loops,
-                               page_size=args.page_size)  # fmt: skip
-        ref_t = torch.from_numpy(ref)
-        print(f"{loops:>5}  {'bf16':<14} {'(ref)':>9} {'':>9} {'':>7} "
-              f"{time.perf_counter() - t0:6.0f}", flush=True)  # fmt: skip
-        for policy in args.policies:
-            t0 = time.perf_counter()
-            got, engine = forced_logits(model, policy, windows, prefix=args.prefix,
-                                        predictions=args.predictions, loops=loops,
-                                        page_size=args.page_size)  # fmt: skip
-            m = compare_logits(ref_t, torch.from_numpy(got), targets)
-            seconds = time.perf_counter() - t0
-            rows.append(dict(loops=loops, emulated=engine.emulated, policy=policy,
-                             kv_bytes_per_token=engine.kv_bytes_per_token(),
-                             seconds=seconds, **m))  # fmt: skip
-            print(f"{loops:>5}  {policy:<14} {m['kl']:9.5f} {m['delta_nll']:+9.5f} "
-                  f"{m['top1']:7.3f} {seconds:6.0f}", flush=True)  # fmt: skip
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        ref_t = None
+        for threshold in args.thresholds:
+            m_model = with_threshold(model, threshold)
+            thr = m_model.config.early_exit_threshold if m_model.config.arch == "ouro" else None
+            for loop_kv in args.loop_kv:
+                for policy in ["bf16", *(p for p in args.policies if p != "bf16")]:
+                    t0 = time.perf_counter()
+                    got, engine = forced_logits(m_model, policy, windows, prefix=args.prefix,
+                                                predictions=args.predictions, loops=loops,
+                                                page_size=args.page_size,
+                                                loop_kv=loop_kv)  # fmt: skip
+                    seconds = time.perf_counter() - t0
+                    if ref_t is None:
+                        ref_t = torch.from_numpy(got)
+                    m = compare_logits(ref_t, torch.from_numpy(got), targets)
+                    steps = max(engine.stats["decode_steps"], 1)
+                    row = dict(loops=loops, threshold=thr, loop_kv=loop_kv,
+                               emulated=engine.emulated, policy=policy,
+                               kv_bytes_per_token=engine.kv_bytes_per_token(),
+                               exit_loop=float(engine.exit_loops.mean() + 1),
+                               loops_per_step=engine.stats["decode_loops"] / steps,
+                               seconds=seconds, **m)  # fmt: skip
+                    rows.append(row)
+                    print(f"{loops:>5} {thr if thr is not None else '':>4} {loop_kv:>7}  "
+                          f"{policy:<16} {m['kl']:9.5f} {m['delta_nll']:+9.5f} {m['top1']:6.3f} "
+                          f"{m['nll']:7.4f} {row['exit_loop']:5.2f} {row['loops_per_step']:6.2f} "
+                          f"{row['kv_bytes_per_token']:7.0f} {seconds:5.0f}", flush=True)  # fmt: skip
+                    if args.json:
+                        with open(args.json, "w") as f:
+                            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
