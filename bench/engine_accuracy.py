@@ -147,7 +147,8 @@ def main(argv=None) -> None:
                     print(f"{loops:>5} {thr if thr is not None else '':>4} {loop_kv:>7}  "
                           f"{policy:<16} {m['kl']:9.5f} {m['delta_nll']:+9.5f} {m['top1']:6.3f} "
                           f"{m['nll']:7.4f} {row['exit_loop']:5.2f} {row['loops_per_step']:6.2f} "
-                          f"{row['kv_bytes_per_token']:7.0f} {seconds:5.0f}", flush=True)  # fmt: skip
+                          f"{row['kv_bytes_per_token']:7.0f} {seconds:5.0f}",
+                          flush=True)  # fmt: skip
                     if args.json:
                         with open(args.json, "w") as f:
                             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

@@ -65,6 +65,72 @@ def absolute_twin(policy: Policy, num_loops: int) -> Policy:
     return dataclasses.replace(policy, name=f"{policy.name}-abs", absolute=later, v_absolute=later)
 
 
+def quantized_loop_logits(params, config, tokens, policy: Policy | None):
+    """The last loop's logits [B, T, V] float32 of an Ouro model whose attention reads, in
+    every loop, K and V decoded from `policy`'s loop stack (None: unquantized): loop l's K/V
+    of the window, given the quantized loops before it, are packed with the loops before as
+    `encode_loops(**policy.loop_kwargs(kind, l + 1))` (a residual against the reconstructed
+    loop l - 1, or absolute) and decoded. Whole windows (no paged cache, no raw staging rows),
+    every loop run; the teacher-forced in-model check of a policy the engine does not serve
+    (absolute loops)."""
+    import jax
+    import jax.numpy as jnp
+
+    import kvq_jax
+    from kvq_jax.models import ouro
+
+    h = ouro.embed(params, tokens)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    kept = {"key": [], "value": []}  # this loop's K/V and every earlier loop's, per layer
+    for loop in range(config.num_loops):
+        for i in range(config.num_layers):
+            layer = ouro.layer_params(params, i)
+            q, k, v = ouro.attention_inputs(layer, h, positions, config)
+            decoded = []
+            for kind, x in (("key", k), ("value", v)):
+                if loop == 0:
+                    kept[kind].append([])
+                kept[kind][i].append(x)
+                if policy is None or not policy.quantized:
+                    decoded.append(x)
+                    continue
+                kwargs = policy.loop_kwargs(kind, loop + 1)
+
+                def last(one, kwargs=kwargs):  # [loops, T, H, D] -> [T, H, D]
+                    code = kvq_jax.encode_loops(one, **kwargs)
+                    return kvq_jax.decode_loops(code)[-1]
+
+                stack = jnp.stack(kept[kind][i])  # [loops, B, T, H, D]
+                decoded.append(jax.vmap(last, in_axes=1)(stack).astype(x.dtype))
+            attn = ouro.causal_attention(q, *decoded)
+            h = ouro.attention_output(layer, h, attn, config)
+        h = ouro.final_norm(params, h, config)
+    return ouro.logits(params, h, config).astype(jnp.float32)
+
+
+def in_model(params, config, ids, policies) -> list[dict]:
+    """KL(unquantized || policy), delta NLL and top-1 of the last loop's logits over windows
+    ids [W, T] (every position but the last predicts the next id)."""
+    import jax
+    import jax.numpy as jnp
+
+    tokens = jnp.asarray(ids)
+    run = jax.jit(quantized_loop_logits, static_argnums=(1, 3))
+    ref = jax.nn.log_softmax(run(params, config, tokens, None)[:, :-1], axis=-1)
+    target = tokens[:, 1:, None]
+    rows = []
+    for policy in policies:
+        got = jax.nn.log_softmax(run(params, config, tokens, policy)[:, :-1], axis=-1)
+        kl = jnp.sum(jnp.exp(ref) * (ref - got), axis=-1)
+        dnll = jnp.take_along_axis(ref - got, target, axis=-1)[..., 0]
+        top1 = jnp.argmax(ref, -1) == jnp.argmax(got, -1)
+        nll = -jnp.take_along_axis(got, target, axis=-1)[..., 0]
+        rows.append({"policy": policy.name, "kl": float(kl.mean()),
+                     "delta_nll": float(dnll.mean()), "top1": float(top1.mean()),
+                     "nll": float(nll.mean())})  # fmt: skip
+    return rows
+
+
 def delta_table(name: str, cap: Capture) -> tuple[str, list[dict]]:
     layers = cap.meta.get("layers") or list(range(cap.num_layers))
     rows, lines = [], [f"{name}: ||X_l - X_(l-1)|| / ||X_l||"]
@@ -88,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", type=pathlib.Path, default=EMBEDDED_PATH)
     ap.add_argument("--policies", default=DEFAULT_POLICIES,
                     help="comma-separated; each beside its absolute twin ('' to skip)")  # fmt: skip
+    ap.add_argument("--in-model", action="store_true",
+                    help="also run them in the model (whole windows)")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -137,6 +205,22 @@ def main(argv=None) -> int:
             print(f"\n{name}: residual (policy) vs absolute (policy-abs) later loops")
             print(format_table(results))
             out["policies"] += [{"capture": name, **r.to_dict()} for r in results]
+    if names and args.in_model:
+        policies = []
+        for p in names:
+            policies += [POLICIES[p], absolute_twin(POLICIES[p], model.config.num_loops)]
+        for extra in ("flashloop-legacy", "loops-abs-keys", "loops-abs-v2442"):
+            policies.append(POLICIES[extra])
+        print(
+            f"\nin the model: {len(ids)} windows x {args.tokens} tokens, every loop's K/V "
+            "quantized as a whole window, last loop's logits vs unquantized (float32)"
+        )
+        print(f"{'policy':<20} {'KL':>9} {'dNLL':>9} {'top-1':>6} {'NLL':>7}")
+        rows = in_model(model.params, model.config, ids, policies)
+        for r in rows:
+            print(f"{r['policy']:<20} {r['kl']:9.5f} {r['delta_nll']:+9.5f} {r['top1']:6.3f} "
+                  f"{r['nll']:7.4f}", flush=True)  # fmt: skip
+        out["in_model"] = rows
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"\n{time.perf_counter() - t0:.0f} s", file=sys.stderr)

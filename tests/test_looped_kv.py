@@ -119,3 +119,29 @@ def test_engine_accuracy_loop_kv_and_thresholds(tmp_path):
     # a threshold of 0.3 exits before the last loop somewhere (the gate's exits at 0.5 are
     # mostly loop 3; kvq loops)
     assert key[(0.3, "all", "bf16")]["exit_loop"] < 4.0
+
+
+def test_quantized_loop_logits(model):
+    """Unquantized: ouro.loop_outputs' last loop. Loop 0 alone under int4-g64: attention reads
+    exactly pack/unpack of its K and V (a one-loop model recomputed from the public pieces)."""
+    import dataclasses
+
+    from kvq_jax.models import ouro
+
+    ids = np.random.default_rng(3).integers(1, model.config.vocab_size, (1, 64)).astype(np.int32)
+    tokens = jnp.asarray(ids)
+    params, c = model.params, model.config
+    got = looped_kv.quantized_loop_logits(params, c, tokens, None)
+    loop_logits, _ = ouro.loop_outputs(params, c, tokens)
+    np.testing.assert_allclose(got, loop_logits[-1], rtol=1e-4, atol=1e-4)
+    one = dataclasses.replace(c, num_loops=1)
+    got = looped_kv.quantized_loop_logits(params, one, tokens, POLICIES["int4-g64"])
+    h = ouro.embed(params, tokens)
+    layer, positions = ouro.layer_params(params, 0), jnp.arange(64, dtype=jnp.int32)
+    q, k, v = ouro.attention_inputs(layer, h, positions, c)
+    k, v = (kvq_jax.unpack_kv(kvq_jax.pack_kv(x[0], kind=kind, format="int4", group_size=64))
+            for x, kind in ((k, "key"), (v, "value")))  # fmt: skip
+    attn = ouro.causal_attention(q, k[None], v[None])
+    h = ouro.final_norm(params, ouro.attention_output(layer, h, attn, c), c)
+    np.testing.assert_allclose(got, ouro.logits(params, h, c), rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(got) - np.asarray(loop_logits[0])).max() > 1e-3  # it quantized
