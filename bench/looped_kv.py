@@ -3,7 +3,7 @@ loops at equal bits (issue 25, "Use it").
 
     python bench/looped_kv.py [--model looped-tiny] [--windows 8 --tokens 256]
         [--out /tmp/looped_tiny_kv.npz] [--policies int4-g64,nvfp4,fp8,flashloop-kivi]
-        [--compare kvq_jax/data/real_kv.npz] [--json PATH]
+        [--compare kvq_jax/data/real_kv.npz] [--in-model] [--json PATH]
 
 1. Capture: the model's post-RoPE K, V and Q of every layer in every loop
    (`kvq_jax.report.calibrate.capture_from_model`, i.e. `attention_inputs_per_layer`: a
@@ -18,6 +18,12 @@ loops at equal bits (issue 25, "Use it").
    reconstructed previous loop) beside its absolute twin (`absolute_twin`: the same formats,
    every later loop of K and V packed on its own; the same bits), evaluated by `kvq report`'s
    own code (`kvq_jax.report.evaluate`) on both captures.
+4. --in-model: the same policies and twins (plus FlashLoop legacy and the loops-abs-*
+   policies) inside the model, teacher forced over the capture's windows, every loop's
+   attention reading K/V decoded from the policy's loop stack (`quantized_loop_logits`; the
+   engine serves no absolute loops): KL / delta NLL / top-1 of the last loop's logits.
+
+Results and commands: docs/LOOPED_TINY.md.
 """
 
 from __future__ import annotations
