@@ -445,7 +445,7 @@ def _write_staged(cache, key, value, block, offset, valid) -> None:
     cache.v_stage[old_row, offset] = value.to(cache.dtype)
     cache.stage_count.index_add_(0, old_row, old.to(torch.int64))
     _reset_scratch(cache)
-    _pack_staged(cache, block, old_row, is_last & old, min(n, s))
+    _pack_staged(cache, block, old_row, is_last & old, _bound(is_last & old, min(n, s)))
     # blocks opened in this call that stay open: free rows
     free = cache.stage_block[:s] < 0
     free_rows = torch.argsort((~free).to(torch.int8), stable=True)  # free rows first
@@ -462,7 +462,9 @@ def _write_staged(cache, key, value, block, offset, valid) -> None:
     cache.stage_count.index_add_(0, row, assign.to(torch.int64))
     _reset_scratch(cache)
     if n >= bs:
-        _pack_whole(cache, key, value, block, offset, whole, rank, first, n // bs)
+        m = _bound(whole & first, n // bs)
+        if m:
+            _pack_whole(cache, key, value, block, offset, whole, rank, first, m)
 
 
 def _reset_scratch(cache) -> None:
@@ -483,9 +485,18 @@ def _store_pages(cache, k_pages: torch.Tensor, v_pages: torch.Tensor, blocks) ->
             pages.arrays[name][blocks] = arr
 
 
+def _bound(flags: torch.Tensor, bound: int) -> int:
+    """How many blocks to pack: `flags.sum()` where reading it costs no sync (CPU tensors,
+    eager), else the static `bound` (CUDA, torch.compile: the extra packs go to the scratch
+    block, so shapes stay fixed and nothing is read back)."""
+    return int(flags.sum()) if host_checks(flags) else bound
+
+
 def _pack_staged(cache, block, row, done, m: int) -> None:
-    """Pack the staged blocks whose last offset was written in this call (at most
-    min(num_tokens, max_num_seqs): one per staging row) and free their rows."""
+    """Pack the staged blocks whose last offset was written in this call (at most m: one per
+    staging row; `_bound`) and free their rows."""
+    if m == 0:
+        return
     s = cache.max_num_seqs
     cand = torch.argsort((~done).to(torch.int8), stable=True)[:m]  # completing tokens first
     ok = done[cand]
