@@ -80,3 +80,21 @@ def numpy_to_torch(array, device="cpu"):
     from kvq_torch_bridge.codecs._dtypes import from_numpy
 
     return from_numpy(np.asarray(array), device)
+
+
+def serving_rows(cache, rows, kind: str):
+    """What a `kvq_torch_bridge.serving` cache should hold for a sequence's K or V `rows`
+    [T, H, D]: each complete block through the public Torch codec (pack_kv + unpack_kv with
+    the cache's base arguments), the open block raw; bfloat16. A raw cache: the rows as they
+    are."""
+    import torch
+
+    import kvq_torch_bridge as kt
+
+    bs, parts = cache.block_size, []
+    for start in range(0, rows.shape[0], bs):
+        page = rows[start : start + bs]
+        if page.shape[0] == bs and cache.config is not None:
+            page = kt.unpack_kv(kt.pack_kv(page, **cache.config.pack_args(kind, "base")))
+        parts.append(page.to(torch.bfloat16))
+    return torch.cat(parts)

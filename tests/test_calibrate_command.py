@@ -90,6 +90,9 @@ def test_tables_of_another_model_shape_or_rope_base_are_refused(tables):
         got.check_fit("p", ["looped-tiny"], 2)
     with pytest.raises(ValueError, match="KV heads, head dim"):
         got.check_fit("p", ["looped-tiny"], 1, num_kv_heads=heads + 1, head_dim=dim)
+    got.check_fit("p", None, 1, num_kv_heads=heads, head_dim=dim)  # name not known: not checked
+    with pytest.raises(ValueError, match="KV heads, head dim"):
+        got.check_fit("p", None, 1, num_kv_heads=heads + 1, head_dim=dim)
     pre = calibration.KeyTables(("m",), got.tables, 64, "t", rope_theta=10000.0)
     pre.check_fit("p", ["m"], 1, rope_theta=10000.0)
     with pytest.raises(ValueError, match=r"pre-RoPE key tables are for RoPE base 10000\.0"):

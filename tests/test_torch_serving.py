@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from helpers import serving_rows
 
 import kvq_torch_bridge as kt
 from kvq_torch_bridge.serving import (
@@ -85,17 +86,7 @@ def expected_kv(sim: Sim, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A sequence's K / V as the cache should hold them: complete blocks through the public
     codec (pack_kv + unpack_kv of the block's raw rows), the open block raw."""
     k, v = sim.raw(seq)
-    cfg = sim.cache.config
-    out = []
-    for kind, x in (("key", k), ("value", v)):
-        parts = []
-        for start in range(0, x.shape[0], BS):
-            page = x[start : start + BS]
-            if page.shape[0] == BS and cfg is not None:
-                page = kt.unpack_kv(kt.pack_kv(page, **cfg.pack_args(kind, "base")))
-            parts.append(page.to(torch.bfloat16))
-        out.append(torch.cat(parts))
-    return out[0], out[1]
+    return serving_rows(sim.cache, k, "key"), serving_rows(sim.cache, v, "value")
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

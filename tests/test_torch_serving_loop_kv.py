@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import serving_rows
 
 import kvq_torch_bridge as kt
 from kvq_torch_bridge.serving import allocate_kv_cache, paged_attention_prefill, reshape_and_cache
@@ -30,18 +31,6 @@ def shared_row(k_loops, mode):
     for loop in range(1, LOOPS):
         total = total + k_loops[loop].float()
     return (total / LOOPS).to(torch.bfloat16)
-
-
-def decoded(rows, cache, kind):
-    """What the cache should hold for `rows` [T, H, D]: complete blocks through the public codec,
-    the open block raw."""
-    parts = []
-    for start in range(0, rows.shape[0], BS):
-        page = rows[start : start + BS]
-        if page.shape[0] == BS and cache.config is not None:
-            page = kt.unpack_kv(kt.pack_kv(page, **cache.config.pack_args(kind, "base")))
-        parts.append(page.to(torch.bfloat16))
-    return torch.cat(parts)
 
 
 def dense(q, k, v):
@@ -102,8 +91,8 @@ def test_loop_kv_sharing_matches_a_dense_reference(kv_cache_dtype, mode):
             out = paged_attention_prefill(q, k_loops[loop], v_loops[loop], cache,
                                           torch.arange(3), tables, ctx + 1)  # fmt: skip
             for s in range(2):
-                k = torch.cat([decoded(shared_k[s], cache, "key"), k_loops[loop, s : s + 1]])
-                v = torch.cat([decoded(shared_v[s], cache, "value"), v_loops[loop, s : s + 1]])
+                k = torch.cat([serving_rows(cache, shared_k[s], "key"), k_loops[loop, s : s + 1]])
+                v = torch.cat([serving_rows(cache, shared_v[s], "value"), v_loops[loop, s : s + 1]])
                 want = dense(q[s : s + 1], k, v)
                 np.testing.assert_allclose(out[s : s + 1].numpy(), want, rtol=2e-5, atol=2e-5)
         row_k, row_v = shared_row(k_loops, mode), shared_row(v_loops, mode)

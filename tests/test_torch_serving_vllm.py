@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import serving_rows
 
-import kvq_torch_bridge as kt
 from kvq_jax.cache import paged_cache as jax_cache
 from kvq_jax.core.policies import cache_config_for
 from kvq_torch_bridge.serving import (
     allocate_kv_cache,
+    paged_attention_decode,
     paged_attention_prefill,
     policy_for_kv_cache_dtype,
     reshape_and_cache,
@@ -93,17 +94,6 @@ def run(kv_cache_dtype, seed=0):
     return cache, tables, raw, steps
 
 
-def decoded(cache, kind_raw, kind):
-    """A sequence's K or V as the cache should hold them (public codec; open block raw)."""
-    parts = []
-    for start in range(0, kind_raw.shape[0], BS):
-        page = kind_raw[start : start + BS]
-        if page.shape[0] == BS and cache.config is not None:
-            page = kt.unpack_kv(kt.pack_kv(page, **cache.config.pack_args(kind, "base")))
-        parts.append(page.to(torch.bfloat16))
-    return torch.cat(parts)
-
-
 def attention(q, k, v):
     g = q.shape[0] // k.shape[1]
     s = torch.einsum("hd,thd->ht", q.float(), k.float().repeat_interleave(g, 1)) * D**-0.5
@@ -125,8 +115,8 @@ def test_mixed_batches_against_dense_attention(kv_cache_dtype):
             ctx = total - n
             # the context as the cache holds it now (complete blocks quantized), then the
             # step's own tokens raw
-            k_ctx = decoded(cache, k_all[s][:total], "key")[:ctx]
-            v_ctx = decoded(cache, v_all[s][:total], "value")[:ctx]
+            k_ctx = serving_rows(cache, k_all[s][:total], "key")[:ctx]
+            v_ctx = serving_rows(cache, v_all[s][:total], "value")[:ctx]
             for j in range(n):
                 k = torch.cat([k_ctx, k_all[s][ctx : ctx + j + 1]])
                 v = torch.cat([v_ctx, v_all[s][ctx : ctx + j + 1]])
@@ -206,15 +196,8 @@ def test_calibrated_policy_per_layer_equals_kvq_jax(layer):
                 assert np.array_equal(arr[block].reshape(-1).view(torch.uint8).numpy(), want)
     # decode attention reads what it stored: the dense reference over the decoded blocks
     q = torch.randn(1, 9, d, generator=gen)
-    from kvq_torch_bridge.serving import paged_attention_decode
-
     out = paged_attention_decode(q, cache, torch.tensor([table]), torch.tensor([150]))
-    kk = torch.cat([kt.unpack_kv(kt.pack_kv(k[i * BS : (i + 1) * BS],
-                                            **cache.config.pack_args("key", "base")))
-                    .to(torch.bfloat16) for i in range(2)] + [k[128:]])  # fmt: skip
-    vv = torch.cat([kt.unpack_kv(kt.pack_kv(v[i * BS : (i + 1) * BS],
-                                            **cache.config.pack_args("value", "base")))
-                    .to(torch.bfloat16) for i in range(2)] + [v[128:]])  # fmt: skip
+    kk, vv = serving_rows(cache, k, "key"), serving_rows(cache, v, "value")
     torch.testing.assert_close(out[0], attention(q[0], kk, vv), rtol=1e-5, atol=1e-5)
 
 

@@ -169,11 +169,12 @@ class KeyTables:
                   num_kv_heads: int | None = None, head_dim: int | None = None,
                   rope_theta: float | None = None) -> None:  # fmt: skip
         """ValueError unless one of `model_names` (the names a model goes by; the first is
-        quoted) is among `models`, every layer in [0, num_layers) has a table, each table is
+        quoted; None: a model whose name is not known, not checked) is among `models`, every
+        layer in [0, num_layers) has a table, each table is
         [num_kv_heads][head_dim] (when given), and pre-RoPE tables were calibrated for the
         model's RoPE base `rope_theta` (when given)."""
-        names = list(model_names)
-        if not any(name in self.models for name in names):
+        names = None if model_names is None else list(model_names)
+        if names is not None and not any(name in self.models for name in names):
             raise ValueError(
                 f"policy {policy_name!r}: its key tables are for {' / '.join(self.models)}, "
                 f"not {names[0]!r}"

@@ -86,31 +86,32 @@ class ServingView:
         table = self.tables(pages).cpu()
         return (table[:, pos // bs] * bs + pos % bs).to(self.cache.device)
 
+    def _open_rows(self, slot: int, pages, length: int) -> list[tuple[int, int]]:
+        """(staging row, block) per layer of the open block of `slot` holding `pages` at
+        `length` tokens ([] when the cache has no staging or the last block is full)."""
+        if self.cache.stage_block is None or length % self.cache.block_size == 0:
+            return []
+        page = int(np.asarray(pages)[length // self.cache.block_size])
+        return [(layer * self.slots_per_layer + slot, layer * self.pages_per_layer + page)
+                for layer in range(self.layers)]  # fmt: skip
+
     def adopt_open_block(self, slot: int, pages, length: int, rows_written=None) -> None:
         """Point the Torch block maps at the engine's staging rows of `slot` for a sequence
         of `length` tokens whose last block is open (JAX keeps it in row l * S + slot), with
         `rows_written` rows already there (default: length mod block_size)."""
-        c, bs = self.cache, self.cache.block_size
-        if c.stage_block is None or length % bs == 0:
-            return
-        page = int(np.asarray(pages)[length // bs])
-        for layer in range(self.layers):
-            row = layer * self.slots_per_layer + slot
-            block = layer * self.pages_per_layer + page
+        c = self.cache
+        count = length % c.block_size if rows_written is None else rows_written
+        for row, block in self._open_rows(slot, pages, length):
             c.stage_block[row] = block
             c.block_stage[block] = row
-            c.stage_count[row] = length % bs if rows_written is None else rows_written
+            c.stage_count[row] = count
 
     def release(self, slot: int, pages, length: int) -> None:
         """Forget the open block of `slot` (before the engine takes the sequence back)."""
-        c, bs = self.cache, self.cache.block_size
-        if c.stage_block is None or length % bs == 0:
-            return
-        page = int(np.asarray(pages)[length // bs])
-        for layer in range(self.layers):
-            row = layer * self.slots_per_layer + slot
+        c = self.cache
+        for row, block in self._open_rows(slot, pages, length):
             c.stage_block[row] = -1
-            c.block_stage[layer * self.pages_per_layer + page] = -1
+            c.block_stage[block] = -1
             c.stage_count[row] = 0
 
     def close(self) -> None:

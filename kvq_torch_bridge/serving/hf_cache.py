@@ -556,8 +556,7 @@ def _check_fit(kv_cache_dtype: str, policy: str, block_size: int, heads: int, he
 
         tables = get_key_tables(kvq_policy.key_tables)
         try:
-            tables.check_fit(policy, tables.models[:1], num_layers, num_kv_heads=heads,
-                             head_dim=head_dim)  # fmt: skip
+            tables.check_fit(policy, None, num_layers, num_kv_heads=heads, head_dim=head_dim)
         except ValueError as e:
             shape = f"{num_layers} layers, {heads} KV heads, head_dim {head_dim}"
             raise ValueError(f"config ({shape}) does not fit policy {policy!r}: {e}") from None
