@@ -166,12 +166,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from kvq_jax.models import load_model
-    from kvq_jax.report.calibrate import token_windows
+    from kvq_jax.report.calibrate import text_id_windows
 
     t0 = time.perf_counter()
     model = load_model(args.model, "float32")
     text = args.text or str(pathlib.Path(str(model.source.get("path", ""))) / "heldout.txt")
-    ids, where = token_windows(model.tokenizer, [text], args.windows, args.tokens)
+    ids, where = text_id_windows(model.tokenizer, [text], args.windows, args.tokens)
     meta = {
         "model": args.model,
         "architecture": model.config.arch,

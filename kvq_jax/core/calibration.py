@@ -261,7 +261,7 @@ SHIPPED_KEY_TABLES = {
     "smollm2-heavy": "intb_smollm2_heavy.npz",
     "smollm2-heavy-prerope": "intb_smollm2_heavy_prerope.npz",
 }
-#: Prefix of the table-set names of files (`register_key_tables`): "file:<absolute path>".
+#: Prefix of the table-set names of files (`with_key_tables`): "file:<absolute path>".
 FILE_PREFIX = "file:"
 
 

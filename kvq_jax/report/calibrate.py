@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the capture (kvq report --kv format)")  # fmt: skip
 
 
-def token_windows(tokenizer, files, windows: int, tokens: int) -> tuple[np.ndarray, list]:
+def text_id_windows(tokenizer, files, windows: int, tokens: int) -> tuple[np.ndarray, list]:
     """`windows` windows of `tokens` ids [W, T] int32 spread evenly over the files' token ids
     (concatenated in order), and [(file, first id index)] of each."""
     ids, owners = [], []
@@ -157,7 +157,7 @@ def run(args) -> int:
         model = load_model(args.model, args.dtype)
         if model.tokenizer is None:
             raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer")
-        ids, where = token_windows(model.tokenizer, args.text, args.windows, args.tokens)
+        ids, where = text_id_windows(model.tokenizer, args.text, args.windows, args.tokens)
         names = [args.model, pathlib.Path(args.model).name, *args.names.split(",")]
         path = pathlib.Path(str(model.source.get("path", "")))
         if path.suffix == ".gguf":  # "SmolLM2-135M-Instruct.Q4_1.gguf": a capture's model name
