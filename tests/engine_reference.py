@@ -5,7 +5,8 @@ given tokens) and keeps, per layer and loop, the raw K/V rows the model produced
 token attends in loop l is rebuilt from them with the public codec functions only: each
 complete page of loop 0 is `unpack_kv(pack_kv(page))`, of loop l > 0
 `decode_residual(encode_residual(page, recon_{l-1}), recon_{l-1})` (the cache config's
-formats and groups, `PagedCacheConfig.pack_args`); the partial page and the first `sink`
+formats and groups of each loop, `PagedCacheConfig.loop_pack_args`; with `absolute=True` for
+a loop the config stores absolute); the partial page and the first `sink`
 rows are raw. Attention is float64 NumPy. No code is shared with the engine's stores, cache
 ops or kernels: only the model's layer pieces (`kvq_jax.models`).
 
@@ -49,13 +50,14 @@ def _reconstruct(config, kind, loop, plane, below, page):
     """Reconstruct complete page `page` of `plane` (loop `loop`; `below` the loop l - 1 plane)."""
     ps = config.page_size
     rows = np.stack(plane.raw[page * ps : (page + 1) * ps])
+    args = config.loop_pack_args(kind, loop)
     if loop == 0:
-        return np.asarray(unpack_kv(pack_kv(jnp.asarray(rows), **config.pack_args(kind, "base"))))
+        return np.asarray(unpack_kv(pack_kv(jnp.asarray(rows), **args)))
     prev = below.pages[page]
     exited = np.asarray(plane.exited[page * ps : (page + 1) * ps])[:, None, None]
     current = np.where(exited, prev, rows)  # an exited row's delta is zero ...
-    args = config.pack_args(kind, "residual")
-    res = encode_residual(jnp.asarray(current), jnp.asarray(prev), **args)
+    absolute = loop in config.absolute_loops(kind)  # packed on its own (no exits then)
+    res = encode_residual(jnp.asarray(current), jnp.asarray(prev), **args, absolute=absolute)
     recon = np.asarray(decode_residual(res, jnp.asarray(prev)))
     return np.where(exited, prev, recon)  # ... and not applied
 

@@ -142,26 +142,33 @@ def _last_page(buf, fill):
     return jnp.where(keep, last, jnp.zeros((), last.dtype))
 
 
-def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend):
-    """Quantize the completed buffer pages [B * C, ps, H, D] into K or V's packed store."""
+def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend) -> dict:
+    """Quantize the completed buffer pages [B * C, ps, H, D] into the plane of K or V's loop
+    `loop`; returns the updated plane field ({field: value})."""
     config = cache.config
-    base, delta_store = cache_state.planes(cache, kind)
+    plane, level = cache.loop_plane(kind, loop)
     target = plan.target
-    if loop == 0:
-        packed = page_pack.dispatch(pages, **config.pack_args(kind, "base"), backend=backend)
-        return jax.tree.map(lambda a, u: _set(a, target, u, mode="drop"), base, packed)
-    previous = page_reconstruct.dispatch(
-        cache, kind, jnp.clip(target, 0, config.num_pages - 1), loop=loop - 1, backend=backend
-    )
-    # The payload of `encode_residual(page, previous)` (dense, no window) for every page; a row
-    # that exited keeps its previous loop (`depth`), its delta is stored as zero.
-    delta = subtract_in_dtype(pages, previous)
-    if exited_rows is not None:
-        delta = jnp.where(exited_rows[:, :, None, None], jnp.zeros((), delta.dtype), delta)
-    packed = page_pack.dispatch(delta, **config.pack_args(kind, "residual"), backend=backend)
-    return jax.tree.map(
-        lambda a, u: _set(a, (loop - 1, target), u, mode="drop"), delta_store, packed
-    )
+    args = config.loop_pack_args(kind, loop)
+    absolute = loop in config.absolute_loops(kind)
+    if loop == 0 or (absolute and exited_rows is None):
+        # Loop 0, or a loop stored absolute: the page itself (`encode_residual(absolute=True)`).
+        payload = pages
+    else:
+        previous = page_reconstruct.dispatch(
+            cache, kind, jnp.clip(target, 0, config.num_pages - 1), loop=loop - 1,
+            backend=backend,
+        )  # fmt: skip
+        # The payload of `encode_residual(page, previous)` (dense, no window) for every page; a
+        # row that exited keeps its previous loop (`depth`): its delta is stored as zero, and
+        # in an absolute loop the row packed is its previous loop (read back through `depth`).
+        payload = pages if absolute else subtract_in_dtype(pages, previous)
+        if exited_rows is not None:
+            kept = previous if absolute else jnp.zeros((), payload.dtype)
+            payload = jnp.where(exited_rows[:, :, None, None], kept, payload)
+    packed = page_pack.dispatch(payload, **args, backend=backend)
+    index = target if level is None else (level, target)
+    new = jax.tree.map(lambda a, u: _set(a, index, u, mode="drop"), plane, packed)
+    return cache.with_loop_plane(kind, loop, new)
 
 
 def _append(cache, k, v, block_tables, seq_ids, exited, *, loop: int, backend: str):
@@ -199,10 +206,7 @@ def _append(cache, k, v, block_tables, seq_ids, exited, *, loop: int, backend: s
         old = stage[loop].at[seq_ids].get(mode="fill", fill_value=0)
         buf = _buffer(old, new, plan.off, c)  # [B, C + 1, ps, H, D]
         pages = buf[:, :c].reshape(b * c, *config.page_shape)
-        level = "base" if loop == 0 else "delta"
-        updates[f"{prefix}_{level}"] = _store_pages(
-            cache, kind, pages, exited_rows, plan, loop, backend
-        )
+        updates.update(_store_pages(cache, kind, pages, exited_rows, plan, loop, backend))
         updates[f"{prefix}_stage"] = _set(
             stage, (loop, seq_ids), _last_page(buf, plan.fill), mode="drop"
         )

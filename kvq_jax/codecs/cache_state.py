@@ -10,7 +10,10 @@ Layout (P physical pages of `page_size` tokens, L loops, S sequence slots, H hea
     k_delta, v_delta:  PackedKV, batch shape (L - 1, P) (None for L == 1): plane l - 1 holds
                        loop l of every physical page as a residual delta against the
                        *reconstructed* loop l - 1 of the same physical page (the payload of
-                       `encode_residual(page_l, recon_{l-1})`).
+                       `encode_residual(page_l, recon_{l-1})`), or, for a loop the config
+                       stores absolute, the page itself packed on its own. When the later
+                       loops differ in format: a tuple of planes, one per run of loops of one
+                       format (`PagedCacheConfig.delta_runs`), each batch (len(run), P).
     k_stage, v_stage:  [L, S, page_size, H, D] raw rows of each sequence's current partial page
                        (rows past the fill are zero).
     k_sink, v_sink:    [L, S, sink, H, D] raw copies of each sequence's first `sink` tokens.
@@ -44,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.codecs.registry import get_codec
 from kvq_jax.core.cache_config import PagedCacheConfig
-from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, rest_dtype
+from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, plane_fields, rest_dtype
 from kvq_jax.core.registry import layout
 
 __all__ = [
@@ -74,9 +77,9 @@ def check_cache(cache) -> PagedCacheConfig:
     return cache.config
 
 
-def planes(cache: PagedKVCache, kind: str) -> tuple[PackedKV, PackedKV | None]:
+def planes(cache: PagedKVCache, kind: str) -> tuple[PackedKV, PackedKV | tuple | None]:
     """(base, delta) packed planes of K ("key") or V ("value"), as stored (`codec_view` gives the
-    format's dtypes)."""
+    format's dtypes); delta is a tuple of runs when the later loops differ in format."""
     if kind == "key":
         return cache.k_base, cache.k_delta
     return cache.v_base, cache.v_delta
@@ -112,20 +115,17 @@ def init_cache(config: PagedCacheConfig) -> PagedKVCache:
     if not isinstance(config, PagedCacheConfig):
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
     c = config
-    delta_batch = (c.num_loops - 1, c.num_pages)
-    has_delta = c.num_loops > 1
 
     def rows(n):
         return jnp.zeros((c.num_loops, c.max_seqs, n, c.num_heads, c.head_dim), c.dtype)
 
-    def packed(kind, level, batch):
-        return empty_packed(c, c.pack_args(kind, level), batch)
+    stored = {}
+    for name, _, loops, args in c.plane_specs():
+        batch = (c.num_pages,) if name.endswith("base") else (len(loops), c.num_pages)
+        stored[name] = empty_packed(c, args, batch)
 
     return PagedKVCache(
-        k_base=packed("key", "base", (c.num_pages,)),
-        v_base=packed("value", "base", (c.num_pages,)),
-        k_delta=packed("key", "residual", delta_batch) if has_delta else None,
-        v_delta=packed("value", "residual", delta_batch) if has_delta else None,
+        **plane_fields(stored),
         k_stage=rows(c.page_size),
         v_stage=rows(c.page_size),
         k_sink=rows(c.sink),
@@ -163,6 +163,8 @@ def head_shardings(cache: PagedKVCache, mesh, axis: str):
         if isinstance(value, PackedKV):  # fields [*batch, T', H, D'] (or [*batch] scalars)
             lead = len(value.batch_shape)
             out[name] = jax.tree.map(lambda a, lead=lead: on_heads(a, lead + 1), value)
+        elif isinstance(value, tuple):  # runs of later loops, each batch (loops, P)
+            out[name] = tuple(jax.tree.map(lambda a: on_heads(a, 3), v) for v in value)
         elif name.endswith(("_stage", "_sink")):
             out[name] = on_heads(value, 3)
         elif value is not None:

@@ -230,6 +230,17 @@ CACHE_FIELDS = (
 )
 
 
+def plane_fields(stored: dict) -> dict:
+    """{plane name (`PagedCacheConfig.plane_specs`): PackedKV} -> the cache's four plane
+    fields: k_base, v_base, k_delta / v_delta (one plane, a tuple of runs "k_delta.0", ...,
+    or None without later loops)."""
+    out = {"k_base": stored["k_base"], "v_base": stored["v_base"]}
+    for field in ("k_delta", "v_delta"):
+        runs = [stored[n] for n in stored if n.startswith(f"{field}.")]
+        out[field] = tuple(runs) if runs else stored.get(field)
+    return out
+
+
 #: The per-slot arrays of a paged cache ([L, S, ...]: a sequence's are `a[:, slot]`).
 SLOT_FIELDS = ("k_stage", "v_stage", "k_sink", "v_sink", "seq_lens", "stage_exited")
 
@@ -252,16 +263,54 @@ class PagedCacheBase:
     stage_exited: Any = None
     config: Any
 
+    def packed_planes(self):
+        """(name, page axis, PackedKV) of every stored packed plane, named as
+        `PagedCacheConfig.plane_specs` names them: "k_base" (axis 0), "k_delta" (axis 1: its
+        batch is (loops, P)) or, when the later loops are stored in runs of different formats
+        (a tuple of planes), "k_delta.0", "k_delta.1", ...; the same for "v_"."""
+        for plane in ("k_base", "v_base", "k_delta", "v_delta"):
+            value = getattr(self, plane)
+            axis = 0 if plane.endswith("base") else 1
+            if isinstance(value, tuple):
+                for r, packed in enumerate(value):
+                    yield f"{plane}.{r}", axis, packed
+            elif value is not None:
+                yield plane, axis, value
+
+    def loop_plane(self, kind: str, loop: int):
+        """The stored plane (PackedKV) holding loop `loop` of `kind`, and the loop's index on
+        its loop axis (None for the base): `PagedCacheConfig.plane_of`."""
+        field, run, level = self.config.plane_of(kind, loop)
+        value = getattr(self, field)
+        return (value if run is None else value[run]), level
+
+    def with_loop_plane(self, kind: str, loop: int, plane) -> dict:
+        """{field: value} that puts `plane` where loop `loop` of `kind` is stored (a
+        `dataclasses.replace` update)."""
+        field, run, _ = self.config.plane_of(kind, loop)
+        if run is None:
+            return {field: plane}
+        value = list(getattr(self, field))
+        value[run] = plane
+        return {field: tuple(value)}
+
+    def loop_chain(self, kind: str, loop: int) -> tuple[tuple, ...]:
+        """What reconstructing loop `loop` of `kind` reads: ((loop_i, plane, level, absolute),
+        ...) over `PagedCacheConfig.chain`: the first plane is decoded alone, each later one
+        replaces the running reconstruction when `absolute` (a loop stored absolute), else is a
+        delta added to it."""
+        absolute = self.config.absolute_loops(kind)
+        return tuple(
+            (i, *self.loop_plane(kind, i), i in absolute) for i in self.config.chain(kind, loop)
+        )
+
     def page_arrays(self):
         """(name, page axis, array) of every array indexed by physical page: the packed
-        planes' fields ("k_base.codes", ...; axis 0 for base, 1 for the [L - 1, P] deltas) and
-        the exit depth map."""
-        for plane in ("k_base", "v_base", "k_delta", "v_delta"):
-            packed = getattr(self, plane)
-            if packed is not None:
-                axis = 0 if plane.endswith("base") else 1
-                for field, a in packed.arrays.items():
-                    yield f"{plane}.{field}", axis, a
+        planes' fields ("k_base.codes", "k_delta.scale", ...; `packed_planes`) and the exit
+        depth map."""
+        for plane, axis, packed in self.packed_planes():
+            for field, a in packed.arrays.items():
+                yield f"{plane}.{field}", axis, a
         if self.depth is not None:
             yield "depth", 0, self.depth
 
@@ -275,13 +324,18 @@ class PagedCacheBase:
         """A copy with the arrays named as `page_arrays` / `slot_arrays` name them replaced
         ("k_base.codes", "seq_lens", ...; names not given stay)."""
         arrays = dict(arrays)
+        planes: dict = {}
+        for plane, _, packed in self.packed_planes():
+            fields = {f: arrays.pop(f"{plane}.{f}") for f in packed.arrays
+                      if f"{plane}.{f}" in arrays}  # fmt: skip
+            planes[plane] = dataclasses.replace(packed, **fields)
         updates = {}
-        for plane in ("k_base", "v_base", "k_delta", "v_delta"):
-            packed = getattr(self, plane)
-            if packed is not None:
-                fields = {f: arrays.pop(f"{plane}.{f}") for f in packed.arrays
-                          if f"{plane}.{f}" in arrays}  # fmt: skip
-                updates[plane] = dataclasses.replace(packed, **fields)
+        for field in ("k_base", "v_base", "k_delta", "v_delta"):
+            value = getattr(self, field)
+            if isinstance(value, tuple):
+                updates[field] = tuple(planes[f"{field}.{r}"] for r in range(len(value)))
+            elif value is not None:
+                updates[field] = planes[field]
         return dataclasses.replace(self, **updates, **arrays)
 
     @property
@@ -290,10 +344,11 @@ class PagedCacheBase:
         total = 0
         for name in CACHE_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, PackedKVBase):
-                total += value.storage_bytes
-            else:
-                total += nbytes(value)
+            for item in value if isinstance(value, tuple) else (value,):
+                if isinstance(item, PackedKVBase):
+                    total += item.storage_bytes
+                else:
+                    total += nbytes(item)
         return total
 
 

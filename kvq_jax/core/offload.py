@@ -5,7 +5,10 @@ Torch cache, byte for byte, and back).
 `HostSequence.arrays` maps names to NumPy arrays (N = the sequence's pages, L loops):
 
     k_base.<field>, v_base.<field>     [N, ...]        loop 0 of its pages (each packed field)
-    k_delta.<field>, v_delta.<field>   [L - 1, N, ...] loops 1.. (with L > 1)
+    k_delta.<field>, v_delta.<field>   [L - 1, N, ...] loops 1.. (with L > 1), or, when the
+                                       later loops are stored in runs of different formats,
+                                       k_delta.<r>.<field> [len(run r), N, ...] per run
+                                       (`PagedCacheConfig.plane_specs`)
     k_stage, v_stage                   [L, page_size, H, D]  raw rows of its partial page
     k_sink, v_sink                     [L, sink, H, D] its raw sink rows
     seq_lens                           int32 [L]       tokens written per loop
@@ -38,21 +41,16 @@ from kvq_jax.core.cache_config import PagedCacheConfig
 
 #: The file format's name and version, in the safetensors metadata.
 FILE_FORMAT = "kvq.sequence/1"
-_PLANES = ("k_base", "v_base", "k_delta", "v_delta")
 
 
 def expected_shapes(config: PagedCacheConfig, num_pages: int) -> dict[str, tuple[tuple, np.dtype]]:
     """{name: (shape, dtype)} of every array of a sequence holding `num_pages` pages."""
     out = {}
-    levels = (("k_base", "key", "base"), ("v_base", "value", "base"))
-    if config.num_loops > 1:
-        levels += (("k_delta", "key", "residual"), ("v_delta", "value", "residual"))
-    for plane, kind, level in levels:
-        args = config.pack_args(kind, level)
+    for plane, _, loops, args in config.plane_specs():
         shapes = registry.layout(args["format"]).array_shapes(
             config.page_shape, args["axis"], args["group_size"]
         )
-        lead = (num_pages,) if level == "base" else (config.num_loops - 1, num_pages)
+        lead = (num_pages,) if plane.endswith("base") else (len(loops), num_pages)
         for field, (shape, dtype) in shapes.items():
             out[f"{plane}.{field}"] = ((*lead, *shape), np.dtype(dtype))
     rows = config.page_shape[1:]
@@ -109,9 +107,13 @@ def check_arrays(config: PagedCacheConfig, arrays: dict) -> None:
 
 
 def config_metadata(config: PagedCacheConfig) -> str:
-    """The configuration as JSON (field -> value, dtype by name)."""
+    """The configuration as JSON (field -> value, dtype by name; no absolute loops: no
+    `k_absolute` / `v_absolute` entry, as in files written before those fields existed)."""
     fields = dataclasses.asdict(config)
     fields["dtype"] = str(np.dtype(config.dtype))
+    for name in ("k_absolute", "v_absolute"):
+        if not fields[name]:
+            del fields[name]
     return json.dumps(fields, sort_keys=True)
 
 

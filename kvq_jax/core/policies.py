@@ -400,32 +400,19 @@ class ServingSupport:
             raise ValueError(self.reason)
 
 
-def _feature_loops(policy: Policy) -> int:
-    """The fewest loops at which every feature of `policy` shows (absolute loops, per-loop
-    residual formats), at least 4: the loop count `serving_support` judges by default."""
-    loops = 4
-    for kind in ("key", "value"):
-        residual = policy.formats(kind)[1]
-        if not isinstance(residual, str):
-            loops = max(loops, len(residual) + 1)
-    absolute = (*policy.absolute, *(policy.v_absolute or ()))
-    return max(loops, *(a + 1 for a in absolute)) if absolute else loops
-
-
 def serving_support(policy: Policy, *, num_loops: int | None = None) -> ServingSupport:
     """Can the paged cache and the engine serve `policy` at `num_loops` loops, and if not, why.
 
-    num_loops: the model's loop count; None judges the policy at every loop count its
-    features need (`_feature_loops`, >= 4). The one answer every refusal quotes: the engine,
-    `kvq generate`, `kvq report` (its default rows are the served policies) and
-    `cache_config_for`. Per-layer key tables (`Policy.key_tables`) are served; whether a
-    table set fits a model is checked where the model is known (`KeyTables.check_fit`).
+    num_loops: the model's loop count, or None (any). The one answer every refusal quotes:
+    the engine, `kvq generate`, `kvq report` (its default rows are the served policies) and
+    `cache_config_for`. Per-layer key tables (`Policy.key_tables`), per-loop formats and
+    absolute loops are served (the last two by the XLA path: the kernels decline them); whether
+    a table set fits a model is checked where the model is known (`KeyTables.check_fit`).
     """
     if isinstance(num_loops, bool) or not (num_loops is None or isinstance(num_loops, int)):
         raise TypeError(f"num_loops must be an int or None, got {num_loops!r}")
     if num_loops is not None and num_loops < 1:
         raise ValueError(f"num_loops must be >= 1, got {num_loops}")
-    loops = _feature_loops(policy) if num_loops is None else num_loops
     not_served = f"policy {policy.name!r} is not served by the paged cache and the engine: "
     if policy.heavy is not None:
         return ServingSupport(
@@ -433,24 +420,6 @@ def serving_support(policy: Policy, *, num_loops: int | None = None) -> ServingS
             not_served + "it stores heavy rows (Policy.heavy) and the paged cache has no "
             "heavy-row pages yet; kvq_jax.pack_heavy and kvq report run it",
         )
-    for kind in ("key", "value"):
-        absolute = policy.absolute_loops(kind, loops)
-        if absolute:
-            return ServingSupport(
-                False,
-                not_served + f"it stores loops {absolute} of {kind}s absolute and the paged "
-                "cache stores every later loop as a delta against the previous loop's pages "
-                "(its reconstruction and kernels add them); encode_loops / decode_loops run it",
-            )
-    for kind in ("key", "value"):
-        formats = policy.loop_formats(kind, loops)
-        if len(set(formats[1:])) > 1:
-            return ServingSupport(
-                False,
-                not_served + f"it stores the later loops of {kind}s in different formats "
-                f"({formats}) and the paged cache holds one residual format per kind; "
-                "encode_loops / decode_loops run it",
-            )
     return ServingSupport(True)
 
 
@@ -469,8 +438,8 @@ def cache_config_for(
             f"policy {policy.name!r} stores keys with per-layer INTB tables "
             f"({policy.key_tables}): take one layer's policy (per_layer_policies) first"
         )
-    k_base, k_res = policy.loop_formats("key", 2)
-    v_base, v_res = policy.loop_formats("value", 2)
+    k_base, *k_res = policy.loop_formats("key", num_loops)
+    v_base, *v_res = policy.loop_formats("value", num_loops)
     return PagedCacheConfig(
         num_pages=num_pages,
         page_size=page_size,
@@ -479,9 +448,11 @@ def cache_config_for(
         dtype=dtype,
         num_loops=num_loops,
         k_base_format=k_base,
-        k_residual_format=k_res,
+        k_residual_format=tuple(k_res) or k_base,
         v_base_format=v_base,
-        v_residual_format=v_res,
+        v_residual_format=tuple(v_res) or v_base,
+        k_absolute=policy.absolute_loops("key", num_loops),
+        v_absolute=policy.absolute_loops("value", num_loops),
         k_group_size=policy.group_size,
         v_group_size=policy.group_size,
         sink=policy.window.sink if policy.window is not None else 0,

@@ -211,18 +211,9 @@ class QuantizedStore:
         def slots(a):
             return lax.slice_in_dim(a, j * max_seqs, (j + 1) * max_seqs, axis=1)
 
-        updates = {}
-        for plane in ("k_base", "v_base", "k_delta", "v_delta"):
-            packed = getattr(cache, plane)
-            if packed is not None:
-                axis = 0 if plane.endswith("base") else 1
-                fields = {f: pages(a, axis) for f, a in packed.arrays.items()}
-                updates[plane] = dataclasses.replace(packed, **fields)
-        if cache.depth is not None:
-            updates["depth"] = pages(cache.depth, 0)
-        for name, a in cache.slot_arrays():
-            updates[name] = slots(a)
-        return dataclasses.replace(cache, **updates, config=config)
+        updates = {name: pages(a, axis) for name, axis, a in cache.page_arrays()}
+        updates.update((name, slots(a)) for name, a in cache.slot_arrays())
+        return dataclasses.replace(cache.with_arrays(updates), config=config)
 
     @property
     def page_bytes(self) -> int:

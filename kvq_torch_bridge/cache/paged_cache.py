@@ -26,7 +26,7 @@ import torch
 
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
-from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, rest_dtype
+from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, plane_fields, rest_dtype
 from kvq_jax.core.offload import HostSequence, expected_shapes
 from kvq_jax.core.registry import layout
 from kvq_torch_bridge.cache.paged import pack_paged, unpack_paged
@@ -85,8 +85,6 @@ def init_cache(config: PagedCacheConfig, device=None) -> PagedKVCache:
     c = _check_config(config)
     device = torch.device("cpu" if device is None else device)
     dt = torch_dtype(c.dtype)
-    delta_batch = (c.num_loops - 1, c.num_pages)
-    has_delta = c.num_loops > 1
 
     def stage():
         return torch.zeros((c.num_loops, c.max_seqs, *c.page_shape), dtype=dt, device=device)
@@ -95,14 +93,13 @@ def init_cache(config: PagedCacheConfig, device=None) -> PagedKVCache:
         shape = (c.num_loops, c.max_seqs, c.sink, c.num_heads, c.head_dim)
         return torch.zeros(shape, dtype=dt, device=device)
 
-    def packed(kind, level, batch):
-        return _empty_packed(c, c.pack_args(kind, level), batch, device)
+    stored = {}
+    for name, _, loops, args in c.plane_specs():
+        batch = (c.num_pages,) if name.endswith("base") else (len(loops), c.num_pages)
+        stored[name] = _empty_packed(c, args, batch, device)
 
     return PagedKVCache(
-        k_base=packed("key", "base", (c.num_pages,)),
-        v_base=packed("value", "base", (c.num_pages,)),
-        k_delta=packed("key", "residual", delta_batch) if has_delta else None,
-        v_delta=packed("value", "residual", delta_batch) if has_delta else None,
+        **plane_fields(stored),
         k_stage=stage(),
         v_stage=stage(),
         k_sink=sink(),
@@ -234,14 +231,17 @@ def decode_pages(cache: PagedKVCache, kind: str, pages, *, loop: int) -> torch.T
     deltas of rows past their `depth`)."""
     config = _check_cache(cache)
     loop = checks.check_loop_index(loop, config.num_loops)
-    base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
     pages = _index_tensor(pages, cache.device).to(torch.int64)
-    recon = unpack_paged(codec_view(_map_packed(base, lambda a: a[pages])))
     depth = None if cache.depth is None else cache.depth[pages][:, :, None, None]
-    for r in range(loop):
-        payload = codec_view(_map_packed(delta, lambda a, r=r: a[r][pages]))
-        step = add_in_dtype(recon, unpack_paged(payload))
-        recon = step if depth is None else torch.where(depth >= r + 1, step, recon)
+    recon = None
+    for i, plane, level, absolute in cache.loop_chain(kind, loop):
+        take = (lambda a: a[pages]) if level is None else (lambda a, r=level: a[r][pages])
+        decoded = unpack_paged(codec_view(_map_packed(plane, take)))
+        if recon is None:  # the chain's first plane: decoded on its own
+            recon = decoded
+            continue
+        step = decoded if absolute else add_in_dtype(recon, decoded)
+        recon = step if depth is None else torch.where(depth >= i, step, recon)
     return recon
 
 
@@ -288,25 +288,24 @@ def _plan(config, start, n, tables, seq_ids):
 
 
 def _store_pages(cache, kind, pages, exited_rows, target, loop):
-    """Quantize completed pages [B * C, ps, H, D] into K or V's packed store, in place."""
+    """Quantize completed pages [B * C, ps, H, D] into the plane of K or V's loop `loop`, in
+    place (loop 0 and absolute loops: the pages themselves; later loops: the delta against
+    the reconstructed loop l - 1 page; exited rows as `kvq_jax.cache.paged_cache`'s)."""
     config = cache.config
-    prefix = "k" if kind == "key" else "v"
-    if loop == 0:
-        packed = pack_paged(pages, **config.pack_args(kind, "base"))
-        store = getattr(cache, f"{prefix}_base")
-        for name, a in store.arrays.items():
-            _put_(a, target, packed.arrays[name])
-        return
-    previous = decode_pages(cache, kind, target.clamp(0, config.num_pages - 1), loop=loop - 1)
-    delta = subtract_in_dtype(pages, previous)
-    if exited_rows is not None:
-        delta = torch.where(
-            exited_rows[:, :, None, None], torch.zeros((), dtype=delta.dtype), delta
-        )
-    packed = pack_paged(delta, **config.pack_args(kind, "residual"))
-    store = getattr(cache, f"{prefix}_delta")
-    for name, a in store.arrays.items():
-        _put_(a[loop - 1], target, packed.arrays[name])
+    absolute = loop in config.absolute_loops(kind)
+    if loop == 0 or (absolute and exited_rows is None):
+        payload = pages
+    else:
+        previous = decode_pages(cache, kind, target.clamp(0, config.num_pages - 1), loop=loop - 1)
+        # an exited row (`depth`): a zero delta, or in an absolute loop its previous loop
+        payload = pages if absolute else subtract_in_dtype(pages, previous)
+        if exited_rows is not None:
+            kept = previous if absolute else torch.zeros((), dtype=payload.dtype)
+            payload = torch.where(exited_rows[:, :, None, None], kept, payload)
+    packed = pack_paged(payload, **config.loop_pack_args(kind, loop))
+    plane, level = cache.loop_plane(kind, loop)
+    for name, a in plane.arrays.items():
+        _put_(a if level is None else a[level], target, packed.arrays[name])
 
 
 @torch.no_grad()

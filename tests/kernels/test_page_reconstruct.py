@@ -183,13 +183,12 @@ def test_xla_page_batch_path(spec, monkeypatch):
     monkeypatch.setattr(page_reconstruct_xla, "_flat_ok", lambda packed: False)
     cache = filled(spec)
     for kind in arg_specs.KINDS:
-        base, delta = (
-            (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
-        )
         for loop in range(spec.num_loops):
-            got = jax.jit(functools.partial(page_reconstruct_xla.decode_pages, loop=loop))(
-                base, delta, jnp.asarray(PAGES)
-            )
+            got = jax.jit(
+                lambda c, p, kind=kind, loop=loop: page_reconstruct_xla.decode_pages(
+                    c.loop_chain(kind, loop), p
+                )
+            )(cache, jnp.asarray(PAGES))
             assert_same_values(got, reference(spec, kind, loop), f"page batch {kind} {loop}")
 
 
@@ -213,9 +212,9 @@ def test_xla_decode_fusion_reads_taken_pages():
     assert not mixed, mixed[0]
 
 
-def _skip_last_residual(base, delta, pages, *, loop, depth=None):
+def _skip_last_residual(chain, pages, *, depth=None):
     """A planted defect in the XLA path: one residual step too few."""
-    return _XLA_DECODE(base, delta, pages, loop=max(loop - 1, 0), depth=depth)
+    return _XLA_DECODE(chain[: max(len(chain) - 1, 1)], pages, depth=depth)
 
 
 _XLA_DECODE = page_reconstruct_xla.decode_pages

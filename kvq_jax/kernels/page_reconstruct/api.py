@@ -50,6 +50,11 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
         return f"page_size * head_dim = {ps * d} exceeds {MAX_TILE_ELEMENTS} elements per tile"
     if config.adaptive_exit:
         return "adaptive-exit caches (their depth map) are served by the XLA path"
+    if config.per_loop(kind):
+        return (
+            f"the later loops of {kind}s differ in format or are stored absolute "
+            "(PagedCacheConfig.per_loop): served by the XLA path"
+        )
     levels = ("base", "residual") if config.num_loops > 1 else ("base",)
     for level in levels:
         args = config.pack_args(kind, level)
@@ -114,9 +119,9 @@ def dispatch(cache, kind: str, pages, *, loop: int, backend: str, launch=None):
     """`decode_pages` for validated arguments: picks the backend and runs it (traceable)."""
     config = cache.config
     impl = resolve_backend(backend, config_support(config, kind))
-    base, delta = planes(cache, kind)
     if impl == "xla":
-        return xla.decode_pages(base, delta, pages, loop=loop, depth=cache.depth)
+        return xla.decode_pages(cache.loop_chain(kind, loop), pages, depth=cache.depth)
+    base, delta = planes(cache, kind)
     if launch is None:
         launch = _launch.page_reconstruct(config.page_size, config.head_dim)
     call = _batchable(loop, impl == "pallas_interpret", launch)

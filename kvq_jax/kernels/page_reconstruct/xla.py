@@ -93,27 +93,35 @@ def _take_rows(a, pages, level=None):
     return jnp.expand_dims(out, tuple(i - lead + 1 for i in ones)) if ones else out
 
 
-def decode_pages(base, delta, pages, *, loop: int, depth=None) -> jnp.ndarray:
-    """Loop `loop` of physical pages `pages` (int32 [N]): [N, page_size, H, D] in the cache dtype.
+def decode_pages(chain, pages, *, depth=None) -> jnp.ndarray:
+    """One loop of physical pages `pages` (int32 [N]): [N, page_size, H, D] in the cache dtype.
 
-    base: PackedKV, batch shape (P,) (loop 0 of every page); delta: PackedKV, batch shape
-    (L - 1, P) (None when loop == 0); both as the cache stores them or with
-    their format's dtypes. Each page is `unpack_kv` of its base, then loop by loop
-    `decode_residual` of its delta against the previous loop (XLA index semantics for ids).
-    depth: uint8 [P, page_size] or None (adaptive exits): a row keeps loop depth[row] once
-    loop > depth[row] (the deltas of later loops are skipped).
+    chain: `cache.loop_chain(kind, loop)`, ((loop_i, plane, level, absolute), ...): the first
+    plane (loop 0's base, batch (P,), or an absolute loop's) is decoded on its own; each later
+    one (plane `level` of a batch (loops, P) plane) is decoded and, unless `absolute`, added to
+    the running reconstruction (`decode_residual`). Planes as the cache stores them or with
+    their format's dtypes; XLA index semantics for ids. depth: uint8 [P, page_size] or None
+    (adaptive exits, chains from loop 0): a row keeps loop depth[row] once it is passed (the
+    later loops are skipped).
     """
     n = pages.shape[0]
-    ps, h, d = base.shape
-    # (_flat_ok looks at one page plane: the delta's loop axis must not count as a page axis.)
-    flat = _flat_ok(base) and (loop == 0 or _flat_ok(jax.tree.map(lambda a: a[0], delta)))
+    ps, h, d = chain[0][1].shape
+    flat = all(
+        _flat_ok(plane if level is None else jax.tree.map(lambda a: a[0], plane))
+        for _, plane, level, _ in chain
+    )  # (_flat_ok looks at one page plane: a delta's loop axis must not count as a page axis)
     rows = None
     if depth is not None:  # [N * page_size, 1, 1] or [N, page_size, 1, 1]
         rows = depth[pages].reshape((n * ps,) if flat else (n, ps))[..., None, None]
     decode = unpack_kv if flat else jax.vmap(unpack_kv)
-    recon = decode(_take(base, pages, flat))
-    for r in range(loop):
-        # A dense residual without a window adds its decoded delta (`decode_residual`).
-        step = add_in_dtype(recon, decode(_take(delta, pages, flat, level=r)))
-        recon = step if rows is None else jnp.where(rows >= r + 1, step, recon)
+    recon = None
+    for loop, plane, level, absolute in chain:
+        decoded = decode(_take(plane, pages, flat, level=level))
+        if recon is None:
+            recon = decoded
+            continue
+        # A dense residual without a window adds its decoded delta (`decode_residual`); an
+        # absolute one is the decoded rows alone.
+        step = decoded if absolute else add_in_dtype(recon, decoded)
+        recon = step if rows is None else jnp.where(rows >= loop, step, recon)
     return recon.reshape(n, ps, h, d)

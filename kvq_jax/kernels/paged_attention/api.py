@@ -65,6 +65,11 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
     if group > MAX_GROUP:
         return f"q: {group} query heads per KV head exceed the kernel's {MAX_GROUP}"
     for kind in ("key", "value"):
+        if config.per_loop(kind):
+            return (
+                f"cache.config: the later loops of {kind}s differ in format or are stored "
+                "absolute (PagedCacheConfig.per_loop): served by the XLA path"
+            )
         for level in ("base", "residual"):
             args = config.pack_args(kind, level)
             fmt, g, axis = args["format"], args["group_size"], args["axis"]

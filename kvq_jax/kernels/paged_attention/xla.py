@@ -34,8 +34,8 @@ def paged_decode_attention_reference(q, cache, block_tables, seq_lens, seq_ids, 
     """
 
     def decode(kind, pages):
-        base, delta = cache_state.planes(cache, kind)
-        return page_xla.decode_pages(base, delta, pages, loop=loop, depth=cache.depth)
+        chain = cache.loop_chain(kind, loop)
+        return page_xla.decode_pages(chain, pages, depth=cache.depth)
 
     rows = cache_state.table_rows(block_tables, seq_ids)
     k, v = cache_state.read_batch(cache, rows, seq_lens, seq_ids, loop=loop, decode=decode)
@@ -96,8 +96,8 @@ def paged_decode_attention(
     block_tokens = block_pages * ps
 
     def decode(kind, pages):
-        base, delta = cache_state.planes(cache, kind)
-        out = page_xla.decode_pages(base, delta, pages, loop=loop, depth=cache.depth)
+        chain = cache.loop_chain(kind, loop)
+        out = page_xla.decode_pages(chain, pages, depth=cache.depth)
         return out.reshape(b, block_tokens, h, d)
 
     def body(j, state):
