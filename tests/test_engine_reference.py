@@ -66,6 +66,33 @@ def test_quantized_decode_matches_the_reference(tiny_llama, tiny_ouro, arch, pol
     _against_reference(model, policy, prompt_len=prompt_len, page_size=page_size)
 
 
+@pytest.mark.parametrize(
+    "policy", ["loops-abs-v2442", pytest.param("flashloop-legacy+win", marks=pytest.mark.slow)]
+)
+def test_per_loop_policies_match_the_reference(policy):
+    """4-loop Ouro with per-loop formats (values 2/4/4/2 bits) and absolute loops (keys in
+    every later loop, values in loops 1-2): 16 decode steps against the page-by-page chain
+    (each loop's format, `absolute=True` where the policy says)."""
+    model = tiny_model("ouro", seed=5, loops=4)
+    engine, _ = _against_reference(model, _groups_of_16(policy))
+    assert engine.cache_config.per_loop("value")
+
+
+def _groups_of_16(name: str):
+    """Policy `name` with groups of 16 tokens (16-token pages: complete pages in decode)."""
+    from kvq_jax.core.policies import POLICIES
+
+    return dataclasses.replace(POLICIES[name], name=f"{name}-g16", group_size=16)
+
+
+def test_exits_across_absolute_loops_match_the_reference():
+    """3-loop Ouro at threshold 0.5 with loops 1-2 stored absolute: a token that exited before
+    an absolute loop is read as its exit loop there (the adaptive-exit cache's depth map)."""
+    engine, request = _against_reference(_gated_ouro(), _groups_of_16("loops-abs-v2442"))
+    assert engine.cache_config.adaptive_exit and engine.cache_config.k_absolute == (1, 2)
+    assert len(set(request.exit_loops[1:])) > 1
+
+
 @pytest.mark.slow
 def test_reference_comparison_catches_a_planted_defect(tiny_ouro, monkeypatch):
     """Decode attention that reads loop 0 in every loop (the residual chain ignored)."""
