@@ -234,16 +234,17 @@ def test_policy_bits_equal_flashloop_legacy():
     assert total["loops-abs-v2442"] == total["flashloop-legacy"] == 3.0
 
 
-def test_paged_cache_refuses_absolute_policy():
+def test_paged_cache_takes_absolute_policies():
+    """Served since issue 24: the cache config carries the policy's absolute loops (the
+    pages: tests/test_paged_cache_loops.py); at one loop nothing is stored absolute."""
     from kvq_jax.engine.engine import cache_config_for
 
     args = dict(num_pages=8, page_size=64, num_heads=2, head_dim=64, dtype="bfloat16", max_seqs=1)
     uniform = dataclasses.replace(POLICIES["flashloop-kivi"], name="kivi-abs", absolute=(1, 2, 3))
-    for policy in (uniform, POLICIES["loops-abs-v2442"], POLICIES["loops-abs-keys"]):
-        with pytest.raises(ValueError, match="absolute"):
-            cache_config_for(policy, num_loops=4, **args)
-    # one loop: nothing is stored absolute, the cache takes it
-    cache_config_for(uniform, num_loops=1, **args)
+    config = cache_config_for(uniform, num_loops=4, **args)
+    assert config.k_absolute == config.v_absolute == (1, 2, 3)
+    one = cache_config_for(uniform, num_loops=1, **args)
+    assert one.k_absolute == one.v_absolute == ()
 
 
 def test_torch_model_eval_coder_stores_absolute_loops():
