@@ -114,13 +114,13 @@ def fill(engine: Engine, context: int, seed: int = 0) -> None:
             continue
         cache = store.cache
         del store
-        planes = {}
-        for j, f in enumerate(("k_base", "v_base", "k_delta", "v_delta")):
-            if getattr(cache, f) is not None:
-                planes[f] = random_plane(jax.random.fold_in(k, j), getattr(cache, f))
-                jax.block_until_ready(planes[f])  # one plane's temporaries at a time
-        lens = jnp.full(cache.seq_lens.shape, context, jnp.int32)
-        stores.append(QuantizedStore(dataclasses.replace(cache, seq_lens=lens, **planes)))
+        arrays = {}
+        for j, (name, _, packed) in enumerate(cache.packed_planes()):
+            plane = random_plane(jax.random.fold_in(k, j), packed)
+            jax.block_until_ready(plane)  # one plane's temporaries at a time
+            arrays.update((f"{name}.{f}", a) for f, a in plane.arrays.items())
+        arrays["seq_lens"] = jnp.full(cache.seq_lens.shape, context, jnp.int32)
+        stores.append(QuantizedStore(cache.with_arrays(arrays)))
         del cache
     engine.stores = tuple(stores)
 

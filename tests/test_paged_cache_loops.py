@@ -11,7 +11,6 @@ caches with the reason.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -44,8 +43,12 @@ PS = 8
 CASES = {
     # FlashLoop legacy: keys INT2 every loop, values INT4 / INT4 / INT2 / INT2 (deltas).
     "legacy": (
-        dict(k_base_format="int2", k_residual_format="int2", v_base_format="int4",
-             v_residual_format=("int4", "int2", "int2")),  # fmt: skip
+        dict(
+            k_base_format="int2",
+            k_residual_format="int2",
+            v_base_format="int4",
+            v_residual_format=("int4", "int2", "int2"),
+        ),
         ("int2",) * 4,
         ("int4", "int4", "int2", "int2"),
         (),
@@ -53,9 +56,14 @@ CASES = {
     ),
     # loops-abs-v2442: keys INT2 absolute in every loop, values 2/4/4/2 bits, 1-2 absolute.
     "abs-v2442": (
-        dict(k_base_format="int2", k_residual_format="int2", v_base_format="int2",
-             v_residual_format=("int4", "int4", "int2"), k_absolute=(1, 2, 3),
-             v_absolute=(2, 1)),  # fmt: skip
+        dict(
+            k_base_format="int2",
+            k_residual_format="int2",
+            v_base_format="int2",
+            v_residual_format=("int4", "int4", "int2"),
+            k_absolute=(1, 2, 3),
+            v_absolute=(2, 1),
+        ),
         ("int2",) * 4,
         ("int2", "int4", "int4", "int2"),
         (1, 2, 3),
@@ -63,9 +71,14 @@ CASES = {
     ),
     # Rotated values (loops-abs-v2442-h) and FP8 key deltas after an absolute loop 2.
     "abs-hint-fp8": (
-        dict(k_base_format="int4", k_residual_format=("fp8_e4m3", "int4", "fp8_e4m3"),
-             v_base_format="hint2", v_residual_format=("hint4", "hint4", "hint2"),
-             k_absolute=(2,), v_absolute=(1, 2)),  # fmt: skip
+        dict(
+            k_base_format="int4",
+            k_residual_format=("fp8_e4m3", "int4", "fp8_e4m3"),
+            v_base_format="hint2",
+            v_residual_format=("hint4", "hint4", "hint2"),
+            k_absolute=(2,),
+            v_absolute=(1, 2),
+        ),
         ("int4", "fp8_e4m3", "int4", "fp8_e4m3"),
         ("hint2", "hint4", "hint4", "hint2"),
         (2,),
@@ -91,9 +104,10 @@ def make_tables(config) -> np.ndarray:
 def make_kv(seed: int = 0):
     """K, V [L, S, T, H, D] bfloat16, each loop a perturbation of the previous."""
     rng = np.random.default_rng(seed)
-    steps = rng.standard_normal((2, L, S, T, H, D)) * np.array([1.0, 0.3, 0.3, 0.3])[
-        None, :, None, None, None, None
-    ]
+    steps = (
+        rng.standard_normal((2, L, S, T, H, D))
+        * np.array([1.0, 0.3, 0.3, 0.3])[None, :, None, None, None, None]
+    )
     k, v = np.cumsum(steps, axis=1).astype(ml_dtypes.bfloat16)
     return k, 3 * v
 
@@ -167,7 +181,7 @@ def stored(cache, kind, loop, formats, phys):
         if loop in group:
             plane = delta if len(groups) == 1 else delta[r]
             level = group.index(loop)
-            return codec_view(jax.tree.map(lambda a: a[level, phys], plane))
+            return codec_view(jax.tree.map(lambda a, r=level: a[r, phys], plane))
     raise AssertionError(loop)
 
 
@@ -194,8 +208,8 @@ def test_pages_equal_the_codec_chain(name):
     for loop in range(L):
         for s in range(S):
             got_k, got_v = gather(cache, seq_id=s, seq_len=T, block_table=tables[s], loop=loop)
-            for got, x, formats, absolute, kind in ((got_k, k, k_formats, k_abs, "key"),
-                                                    (got_v, v, v_formats, v_abs, "value")):  # fmt: skip
+            reads = ((got_k, k, k_formats, k_abs, "key"), (got_v, v, v_formats, v_abs, "value"))
+            for got, x, formats, absolute, kind in reads:
                 want = np.array(x[loop, s])
                 for j in range(full):
                     chain = page_chain(kind, formats, absolute, x[:, s, j * PS : (j + 1) * PS])
@@ -342,7 +356,7 @@ def test_config_checks():
         PagedCacheConfig(**base, k_absolute=(0,))
     with pytest.raises(ValueError, match="k_absolute"):
         PagedCacheConfig(**base, k_absolute=(4,))
-    with pytest.raises(ValueError, match="v_residual_format: format must be one of .*got .nope."):
+    with pytest.raises(ValueError, match=r"v_residual_format: format must be one of .*got 'nope'"):
         PagedCacheConfig(**base, v_residual_format=("int4", "nope", "int4"))
     one = PagedCacheConfig(**base, v_residual_format=["int2", "int2", "int2"])
     assert one.v_residual_format == "int2" and one.delta_runs("value") == ((1, 2, 3),)

@@ -8,14 +8,11 @@ Every refusal (the engine, `cache_config_for`, `kvq generate`, `kvq report`) quo
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from kvq_jax.core.policies import (
     DEFAULT_REPORT,
     POLICIES,
-    ServingSupport,
     cache_config_for,
     serving_support,
 )
@@ -88,8 +85,13 @@ def test_served_policies_get_a_cache_config():
         ("flashloop-legacy", ("int2",) * 4, ("int4", "int4", "int2", "int2"), (), ()),
         ("loops-abs-keys", ("int2",) * 4, ("int4", "int4", "int2", "int2"), (1, 2, 3), ()),
         ("loops-abs-v2442", ("int2",) * 4, ("int2", "int4", "int4", "int2"), (1, 2, 3), (1, 2)),
-        ("loops-abs-v2442-h", ("int2",) * 4, ("hint2", "hint4", "hint4", "hint2"), (1, 2, 3),
-         (1, 2)),  # fmt: skip
+        (
+            "loops-abs-v2442-h",
+            ("int2",) * 4,
+            ("hint2", "hint4", "hint4", "hint2"),
+            (1, 2, 3),
+            (1, 2),
+        ),
     ],
 )
 def test_per_loop_policies_get_their_loops(name, k_formats, v_formats, k_absolute, v_absolute):

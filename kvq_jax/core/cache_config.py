@@ -59,7 +59,8 @@ class PagedCacheConfig:
     `v_absolute`: the loops (in [1, num_loops)) stored absolute, packed on their own instead of
     as a delta against the reconstructed previous loop (`encode_loops(absolute=...)`); with
     adaptive exits a row that exited earlier is packed there as its reconstructed previous
-    loop and read as its exit loop (`depth`). Per-loop formats and absolute loops are served by the XLA path (`per_loop`).
+    loop and read as its exit loop (`depth`). Per-loop formats and absolute loops are served by
+    the XLA path (`per_loop`).
     """
 
     num_pages: int
