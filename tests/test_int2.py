@@ -440,8 +440,14 @@ def test_engine_cache_config_for_flashloop_profiles():
     legacy = cache_config_for(POLICIES["flashloop-legacy"], num_loops=2, **shape)
     assert (legacy.k_base_format, legacy.v_base_format, legacy.v_residual_format) == (
         "int2", "int4", "int4")  # fmt: skip
-    with pytest.raises(ValueError, match="one residual format per kind"):
-        cache_config_for(POLICIES["flashloop-legacy"], num_loops=4, **shape)
+    # At 4 loops the values' later loops differ (INT4 then INT2): the cache keeps one plane per
+    # run of later loops of one format, each loop in the policy's own format.
+    legacy4 = cache_config_for(POLICIES["flashloop-legacy"], num_loops=4, **shape)
+    assert legacy4.v_residual_format == ("int4", "int2", "int2")
+    assert legacy4.k_residual_format == "int2"
+    assert [legacy4.loop_format("value", loop) for loop in range(4)] == [
+        "int4", "int4", "int2", "int2"]  # fmt: skip
+    assert legacy4.delta_runs("value") == ((1,), (2, 3)) and legacy4.per_loop("value")
 
 
 def test_model_eval_coder_follows_the_per_loop_formats():
