@@ -157,40 +157,64 @@ def test_quantized_pages_are_the_codecs(tiny_llama, tiny_ouro, arch, policy):
             np.testing.assert_array_equal(np.asarray(got)[:2], np.asarray(exp))
 
 
-def test_per_layer_key_tables_give_each_layer_its_intb_pages(tiny_llama, monkeypatch):
-    """A policy with per-layer INTB key tables: each layer's cache holds its own format, and
-    its pages are the paged cache's own appends of the model's K/V under that layer's config;
-    tables for another model, or missing a layer, are refused when the engine is built."""
-    from kvq_jax.codecs.formats.intb import register_table
+def _tables_policy(monkeypatch, tables, models=("tiny",)):
     from kvq_jax.core import calibration
     from kvq_jax.core.policies import Policy
 
-    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((8, 1, 3) * 20 + (4, 4, 4, 4), (3, 5) * 32)}
-    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test")
+    key_tables = calibration.KeyTables(tuple(models), tables, 16, "test")
     monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
-    policy = Policy("kt", "intb", "intb", group_size=16, v_base_format="hint4",
-                    v_residual_format="hint4", key_tables="tiny-tables")  # fmt: skip
+    return Policy("kt", "intb", "intb", group_size=16, v_base_format="hint4",
+                  v_residual_format="hint4", key_tables="tiny-tables")  # fmt: skip
+
+
+def _assert_layer_pages_are_intb(engine, tables, prompt, page_size):
+    """Each layer's pages and staging rows equal the paged cache's own appends of the model's
+    K/V with that layer's keys in the plain INTB codec of its table (static maps, one format
+    per layer): the codec the per-layer format must equal byte for byte."""
+    from kvq_jax.codecs.formats.intb import register_table
+
+    kv = _model_kv(engine.model, prompt, None, page_size, 3)
+    block = jnp.asarray([[0, 1, 2]], jnp.int32)
+    for i, cache in enumerate(_layer_caches(engine)):
+        name = register_table(tables[i])
+        config = dataclasses.replace(engine.cache_configs[i], k_base_format=name,
+                                     k_residual_format=name)  # fmt: skip
+        ref = paged_cache.init_cache(config)
+        for loop, (k, v) in enumerate(kv[i]):
+            ref = paged_cache.append(ref, k, v, block_tables=block, seq_ids=jnp.asarray([0]),
+                                     loop=loop)  # fmt: skip
+        want = {n: a for n, _, a in ref.page_arrays()} | dict(ref.slot_arrays())
+        got = {n: a for n, _, a in cache.page_arrays()} | dict(cache.slot_arrays())
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
+
+
+def test_per_layer_key_tables_compile_once_with_each_layers_intb_pages(tiny_llama, monkeypatch):
+    """A policy with per-layer INTB key tables of one row width: every layer shares one cache
+    configuration (the per-layer format `IntBLayersCodec`, the layer a traced index), so the
+    layers form one layer group (one `lax.scan`, compiled once), and each layer's pages are
+    byte for byte the plain INTB codec of its own table; tables for another model, or
+    missing a layer, are refused when the engine is built."""
+    from kvq_jax.core import calibration
+    from kvq_jax.core.registry import layout
+
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((8, 1, 3) * 20 + (4, 4, 4, 4), (3, 5) * 32)}
+    policy = _tables_policy(monkeypatch, tables)
     page_size = 16
     prompt = prompt_of(2 * page_size + 5, seed=4)
     engine = Engine(tiny_llama, policy, num_pages=3, page_size=page_size, max_seqs=1,
                     max_pages_per_seq=3, prefill_chunk=len(prompt))  # fmt: skip
-    names = [register_table(tables[i]) for i in range(2)]
-    assert [c.k_base_format for c in engine.cache_configs] == names
-    assert {c.v_base_format for c in engine.cache_configs} == {"hint4"}
+    assert engine.spec.groups == (2,) and len(engine.stores) == 1
+    assert len(set(engine.cache_configs)) == 1
+    fmt = layout(engine.cache_config.k_base_format)
+    assert fmt.per_layer and fmt.tables == (tables[0], tables[1])
+    assert engine.cache_config.v_base_format == "hint4"
     engine.add_request(prompt, max_new_tokens=1)
-    kv = _model_kv(tiny_llama, prompt, None, page_size, 3)
-    block = jnp.asarray([[0, 1, 2]], jnp.int32)
-    for i, cache in enumerate(_layer_caches(engine)):
-        ref = paged_cache.init_cache(engine.cache_configs[i])
-        for loop, (k, v) in enumerate(kv[i]):
-            ref = paged_cache.append(ref, k, v, block_tables=block, seq_ids=jnp.asarray([0]),
-                                     loop=loop)  # fmt: skip
-        for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref), strict=True):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    _assert_layer_pages_are_intb(engine, tables, prompt, page_size)
     c0, c1 = engine.layer_cache(0), engine.layer_cache(1)
-    assert c0.k_base.codes.shape != c1.k_base.codes.shape or (
-        not np.array_equal(c0.k_base.codes, c1.k_base.codes)
-    )
+    assert int(c0.layer) == 0 and int(c1.layer) == 1
+    assert not np.array_equal(c0.k_base.codes, c1.k_base.codes)
     other = calibration.KeyTables(("smollm2",), tables, 16, "test")
     monkeypatch.setattr(calibration, "get_key_tables", lambda name: other)
     with pytest.raises(ValueError, match="its key tables are for smollm2, not 'tiny'"):
@@ -203,6 +227,26 @@ def test_per_layer_key_tables_give_each_layer_its_intb_pages(tiny_llama, monkeyp
         Engine(
             tiny_llama, policy, num_pages=3, page_size=page_size, max_seqs=1, max_pages_per_seq=3
         )
+
+
+def test_per_layer_key_tables_of_different_widths_take_one_format_per_layer(
+    tiny_llama, monkeypatch
+):
+    """Tables whose row widths differ cannot share one stacked format: each layer gets the
+    INTB format of its table and its own layer group, with the same pages."""
+    from kvq_jax.codecs.formats.intb import register_table
+
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    policy = _tables_policy(monkeypatch, tables)
+    page_size = 16
+    prompt = prompt_of(2 * page_size + 5, seed=4)
+    engine = Engine(tiny_llama, policy, num_pages=3, page_size=page_size, max_seqs=1,
+                    max_pages_per_seq=3, prefill_chunk=len(prompt))  # fmt: skip
+    assert engine.spec.groups == (1, 1)
+    names = [register_table(tables[i]) for i in range(2)]
+    assert [c.k_base_format for c in engine.cache_configs] == names
+    engine.add_request(prompt, max_new_tokens=1)
+    _assert_layer_pages_are_intb(engine, tables, prompt, page_size)
 
 
 # -- continuous batching ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from tiny_models import tiny_model
 
@@ -169,3 +170,47 @@ def test_planted_defect_delta_plane_slice_is_caught(ouro_bf16, monkeypatch):
     finally:
         monkeypatch.undo()
         jax.clear_caches()
+
+
+def _scan_lengths(jaxpr) -> list[int]:
+    """The lengths of every `scan` in a (closed) jaxpr, nested ones included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            out.append(eqn.params["length"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                if hasattr(sub, "eqns"):
+                    out.extend(_scan_lengths(sub))
+    return out
+
+
+def test_per_layer_key_tables_scan_the_layers_once(monkeypatch):
+    """A policy with per-layer INTB key tables (one row width): the decode step runs each loop's
+    layers as one scan over all of them (the layer a traced index into the stacked tables; one
+    compiled layer body, not one per layer) and touches the pool only in place; tables of
+    different widths fall back to one group per layer (scans of length 1, the check fails)."""
+    from kvq_jax.core import calibration
+    from kvq_jax.core.policies import Policy
+
+    layers, loops = 4, 2
+    model = tiny_model("ouro", seed=5, layers=layers, loops=loops)
+    rng = np.random.default_rng(0)
+    tables = {i: tuple(tuple(int(b) for b in rng.permutation((2, 6) * 32)) for _ in range(2))
+              for i in range(layers)}  # fmt: skip
+    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test")
+    monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
+    policy = Policy("kt", "intb", "intb", group_size=16, v_base_format="hint4",
+                    v_residual_format="hint4", key_tables="tiny-tables")  # fmt: skip
+    engine = _engine(model, policy, POOL, max_seqs=2, max_pages_per_seq=8)
+    assert engine.spec.groups == (layers,)
+    s = jax.ShapeDtypeStruct
+    n = engine.max_seqs
+    jaxpr = jax.make_jaxpr(functools.partial(decode_step, spec=engine.spec))(
+        engine.params, engine.stores, s((n,), jnp.int32), s((n,), jnp.int32),
+        jnp.asarray(engine.allocator.block_tables()), s((n,), jnp.bool_),
+    )  # fmt: skip
+    lengths = _scan_lengths(jaxpr.jaxpr)
+    assert lengths.count(layers) == loops and 1 not in lengths, lengths
+    assert _pool_copies(engine, "decode", None) == []

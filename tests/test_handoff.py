@@ -108,6 +108,14 @@ def test_view_refuses_what_it_cannot_share(tiny):
         handoff.serving_view(engine)
     view.close()
     handoff.serving_view(engine).close()
+    from kvq_jax.codecs.formats.intb import register_layer_tables
+    from kvq_jax.core.policies import Policy
+
+    layered = register_layer_tables([((2, 6) * 32, (4,) * 64), ((4,) * 64, (6, 2) * 32)])
+    policy = Policy("layered-keys", layered, layered, group_size=64)
+    with pytest.raises(ValueError, match="per-layer INTB format"):
+        handoff.serving_view(Engine(model, policy, num_pages=8, page_size=64, max_seqs=2,
+                                    max_pages_per_seq=4))
 
 
 def test_add_prefilled_refusal_changes_nothing(tiny):

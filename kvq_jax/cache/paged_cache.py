@@ -41,7 +41,7 @@ from jax import lax
 
 from kvq_jax.codecs import cache_state
 from kvq_jax.codecs._numerics import subtract_in_dtype
-from kvq_jax.codecs.cache_state import PagedKVCache, check_cache, init_cache
+from kvq_jax.codecs.cache_state import PagedKVCache, at_layer, check_cache, init_cache
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.containers import rest_dtype
@@ -54,6 +54,7 @@ __all__ = [
     "PagedCacheConfig",
     "PagedKVCache",
     "append",
+    "at_layer",
     "check_append",
     "check_fork",
     "clear_slot",
@@ -165,7 +166,7 @@ def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend) -> dict:
         if exited_rows is not None:
             kept = previous if absolute else jnp.zeros((), payload.dtype)
             payload = jnp.where(exited_rows[:, :, None, None], kept, payload)
-    packed = page_pack.dispatch(payload, **args, backend=backend)
+    packed = page_pack.dispatch(payload, **args, backend=backend, layer=cache.layer)
     index = target if level is None else (level, target)
     new = jax.tree.map(lambda a, u: _set(a, index, u, mode="drop"), plane, packed)
     return cache.with_loop_plane(kind, loop, new)

@@ -28,6 +28,7 @@ def pack_kv(
     group_size: int | None = None,
     axis: str | None = None,
     window: Window | None = None,
+    layer=None,
 ) -> PackedKV | WindowedKV:
     """Quantize a KV tensor.
 
@@ -40,6 +41,8 @@ def pack_kv(
       axis: "tokens" (default for keys) or "channels" (default for values).
       window: keep the first `window.sink` and last `window.recent` rows in the input dtype
         and pack only the middle rows (token groups are formed over those rows alone).
+      layer: the model layer (an int or a traced int32 scalar) of a format with one table per
+        layer (`kvq_jax.codecs.formats.intb.IntBLayersCodec`); ignored by the other formats.
 
     Returns:
       A `PackedKV` pytree (see its docstring for the array fields of each format), or a
@@ -50,23 +53,25 @@ def pack_kv(
     codec = get_codec(format)
     axis, group_size = codec.resolve(shape, kind, axis, group_size)
     if check_window(window) is None:
-        return codec.pack(values, kind=kind, axis=axis, group_size=group_size)
+        return codec.pack(values, kind=kind, axis=axis, group_size=group_size, layer=layer)
     head, middle, tail = split_rows(values, window)
-    packed = codec.pack(middle, kind=kind, axis=axis, group_size=group_size)
+    packed = codec.pack(middle, kind=kind, axis=axis, group_size=group_size, layer=layer)
     return WindowedKV(head=head, tail=tail, middle=packed, window=window, shape=shape)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def unpack_kv(packed: PackedKV | WindowedKV, dtype=None) -> jnp.ndarray:
+def unpack_kv(packed: PackedKV | WindowedKV, dtype=None, layer=None) -> jnp.ndarray:
     """Dequantize to [T, H, D] in `dtype` (default: the dtype it was packed from).
 
     A `WindowedKV` returns its window rows exactly (cast to `dtype`). This is the reference
     path: it materializes the tensor. Attention kernels dequantize in registers instead.
+    layer: the model layer (int or int32 scalar) of a format with one table per layer
+    (`IntBLayersCodec`; `pack_kv`'s layer); the other formats ignore it.
     """
     if not isinstance(packed, PackedKV | WindowedKV):
         raise TypeError(f"packed must be a PackedKV or WindowedKV, got {type(packed).__name__}")
     dtype = np.dtype(packed.dtype if dtype is None else check_float_dtype(dtype, "dtype"))
     if isinstance(packed, WindowedKV):
-        middle = unpack_kv(packed.middle, dtype)
+        middle = unpack_kv(packed.middle, dtype, layer)
         return jnp.concatenate([packed.head.astype(dtype), middle, packed.tail.astype(dtype)])
-    return get_codec(packed.format).unpack(packed, dtype)
+    return get_codec(packed.format).unpack_at(packed, dtype, layer)

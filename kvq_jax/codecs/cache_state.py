@@ -23,6 +23,10 @@ Layout (P physical pages of `page_size` tokens, L loops, S sequence slots, H hea
                        exited early); reconstruction skips the deltas of later loops.
     stage_exited:      bool [L, S, page_size] (adaptive-exit caches, else None): staged rows
                        whose token had exited before that loop.
+    layer:             int32 [] (caches of a format with one table per model layer,
+                       `PagedCacheConfig.layered`, else None): the model layer whose table the
+                       pages use (`at_layer`); the engine's layer scan sets it, traced, so one
+                       compiled step serves every layer.
 
 Base and deltas are two containers (not one (L, P) stack) because loop 0 and the deltas may use
 different formats, whose packed arrays differ. All loops share one block table: a sequence's
@@ -53,6 +57,7 @@ from kvq_jax.core.registry import layout
 __all__ = [
     "PagedCacheConfig",
     "PagedKVCache",
+    "at_layer",
     "check_cache",
     "codec_view",
     "head_shardings",
@@ -103,7 +108,8 @@ def empty_packed(config: PagedCacheConfig, pack_args: dict, batch: tuple[int, ..
     args = dict(pack_args)
     codec = get_codec(args.pop("format"))  # this stack must implement the format
     page = jax.ShapeDtypeStruct(config.page_shape, config.dtype)
-    shapes = jax.eval_shape(functools.partial(codec.pack, **args), page)
+    layer = 0 if codec.per_layer else None  # shapes are the same for every layer
+    shapes = jax.eval_shape(functools.partial(codec.pack, **args, layer=layer), page)
     return jax.tree.map(lambda s: jnp.zeros((*batch, *s.shape), rest_dtype(s.dtype)), shapes)
 
 
@@ -135,8 +141,17 @@ def init_cache(config: PagedCacheConfig) -> PagedKVCache:
         stage_exited=jnp.zeros((c.num_loops, c.max_seqs, c.page_size), bool)
         if c.adaptive_exit
         else None,
+        layer=jnp.zeros((), jnp.int32) if c.layered else None,
         config=c,
     )
+
+
+def at_layer(cache: PagedKVCache, layer) -> PagedKVCache:
+    """`cache` read and written as model layer `layer` (an int or a traced int32 scalar) of a
+    format with one table per layer (`PagedCacheConfig.layered`); other caches unchanged."""
+    if not check_cache(cache).layered:
+        return cache
+    return dataclasses.replace(cache, layer=jnp.asarray(layer, jnp.int32))
 
 
 def head_shardings(cache: PagedKVCache, mesh, axis: str):

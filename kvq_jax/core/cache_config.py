@@ -199,6 +199,13 @@ class PagedCacheConfig:
         """The loops of `kind` stored absolute (sorted)."""
         return getattr(self, f"{_PREFIX[kind]}_absolute")
 
+    @property
+    def layered(self) -> bool:
+        """True when a stored format holds one table per model layer (`FormatLayout.per_layer`):
+        the cache then carries the layer it is read and written as (`cache_state.at_layer`)."""
+        names = {*self.loop_formats("key"), *self.loop_formats("value")}
+        return any(registry.layout(name).per_layer for name in names)
+
     def delta_runs(self, kind: str) -> tuple[tuple[int, ...], ...]:
         """The later loops of `kind` grouped into runs of consecutive loops with the same pack
         arguments: each run is one stored plane [len(run), num_pages, ...]. ((1, .., L - 1),)

@@ -17,10 +17,12 @@ class CodecBase(FormatLayout, abc.ABC):
     """`pack` = `encode` + the stack's `PackedKV`; subclasses give `encode`, `unpack` and
     `_packed` (the stack's wrapper, written once per stack in its `Codec`)."""
 
-    def pack(self, values, *, kind: str, axis: str, group_size: int):
+    def pack(self, values, *, kind: str, axis: str, group_size: int, layer=None):
         """Quantize validated [T, H, D] values (axis/group_size already resolved) to a
-        `PackedKV` of this format."""
-        arrays = self.encode(values, axis=axis, group_size=group_size)
+        `PackedKV` of this format. layer: the model layer of a `per_layer` format (an int or
+        an int32 scalar); the other formats ignore it."""
+        extra = {"layer": layer} if self.per_layer else {}
+        arrays = self.encode(values, axis=axis, group_size=group_size, **extra)
         return self._packed(
             arrays, kind=kind, axis=axis, group_size=group_size,
             shape=values.shape, dtype=values.dtype,
@@ -33,6 +35,12 @@ class CodecBase(FormatLayout, abc.ABC):
     @abc.abstractmethod
     def unpack(self, packed, dtype):
         """Reference dequantization to [T, H, D] in `dtype` (a numpy dtype)."""
+
+    def unpack_at(self, packed, dtype, layer=None):
+        """`unpack`, with the model layer for a `per_layer` format (ignored by the others)."""
+        if self.per_layer:
+            return self.unpack(packed, dtype, layer=layer)
+        return self.unpack(packed, dtype)
 
     @abc.abstractmethod
     def _packed(self, arrays: dict, *, kind, axis, group_size, shape, dtype):

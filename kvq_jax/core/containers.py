@@ -227,6 +227,7 @@ CACHE_FIELDS = (
     "seq_lens",
     "depth",
     "stage_exited",
+    "layer",
 )
 
 
@@ -261,6 +262,7 @@ class PagedCacheBase:
     seq_lens: Any
     depth: Any = None
     stage_exited: Any = None
+    layer: Any = None
     config: Any
 
     def packed_planes(self):

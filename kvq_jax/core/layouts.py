@@ -56,12 +56,15 @@ class FormatLayout:
       array_fields: the PackedKV array fields this format fills.
       default_group_size: used when the caller passes group_size=None.
       fixed_group_size: True when the format admits only its default group size.
+      per_layer: True when the format holds data per model layer (`IntBLayersLayout`): its
+        codec's encode / unpack take the layer (an int or a traced int32 scalar).
     """
 
     name: str
     array_fields: tuple[str, ...]
     default_group_size: int
     fixed_group_size: bool = False
+    per_layer: bool = False
 
     def resolve(self, shape, kind: str, axis: str | None, group_size: int | None):
         """Validate and default (axis, group_size) for values of `shape` (trace time only)."""
@@ -212,6 +215,43 @@ class IntBLayout(FormatLayout):
         i = np.arange(8)
         index = np.minimum(start[..., None] + i, 8 * self.row_bytes - 1).astype(np.int32)
         return index, i < table[..., None]
+
+
+class IntBLayersLayout(IntBLayout):
+    """INTB with one bit table per model layer, every table of the same (H, D) and row width W:
+    layer l's bytes are exactly those of `IntBLayout(tables[l])` (FORMAT.md section 2b), so a
+    page packed for layer l reads back with layer l's INTB codec and the oracle of its table.
+    The layer is data (`per_layer`), not part of the name: a model's layers share one format,
+    one cache configuration and one compiled layer step (`kvq_jax.engine`)."""
+
+    per_layer = True
+
+    def __init__(self, tables, name: str | None = None):
+        tables = tuple(tables)
+        if not tables:
+            raise ValueError("tables must hold one INTB bit table per layer, got none")
+        checked = []
+        for layer, bits in enumerate(tables):
+            try:
+                checked.append(check_bit_table(bits))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"tables[{layer}]: {e}") from None
+        shapes = {(len(t), len(t[0]), sum(t[0])) for t in checked}
+        if len(shapes) > 1:
+            raise ValueError(
+                "tables must share one shape [H, D] and one row width (bits per head row); got "
+                f"(H, D, bits) {sorted(shapes)}"
+            )
+        self.tables = tuple(checked)
+        table = np.asarray(self.tables, np.uint8)
+        if name is None:
+            digest = hashlib.sha256(np.asarray(table.shape, np.int64).tobytes() + table.tobytes())
+            name = "intb-layers-" + digest.hexdigest()[:12]
+        super().__init__(self.tables[0], name=name)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tables)
 
 
 def intb_name(bits) -> str:

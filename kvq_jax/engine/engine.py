@@ -84,6 +84,7 @@ from kvq_jax.core.policies import (
     per_layer_policies,
     serving_support,
 )
+from kvq_jax.core.registry import layout
 from kvq_jax.engine.runner import LOOP_KV, StepSpec, decode_step, prefill_step
 from kvq_jax.engine.sampler import sample
 from kvq_jax.engine.scheduler import Scheduler
@@ -111,16 +112,19 @@ def resolve_policy(policy: str | Policy) -> Policy:
 
 def layer_policies(policy: Policy, model, num_loops: int | None = None) -> tuple[Policy, ...]:
     """One policy per layer of `model`: `policy` itself, or for a policy with per-layer INTB
-    key tables (`Policy.key_tables`) each layer's own, its INTB format registered in the JAX
-    registry. ValueError when `serving_support` refuses the policy at `num_loops` (default:
-    the model's) or the tables are not for this model (its `source` "model") or miss one of
-    its layers."""
+    key tables (`Policy.key_tables`) its keys in the per-layer INTB format of the model's
+    tables (`IntBLayersCodec`: every layer the same policy and cache configuration, the layer
+    a traced index, so the layers compile once) when every table has one row width, else each
+    layer's own INTB format (one compiled layer group per layer). Formats are registered in
+    the JAX registry. ValueError when `serving_support` refuses the policy at `num_loops`
+    (default: the model's) or the tables are not for this model (its `source` "model") or
+    miss one of its layers."""
     num_loops = model.config.num_loops if num_loops is None else num_loops
     serving_support(policy, num_loops=num_loops).check()
     num_layers = model.config.num_layers
     if policy.key_tables is None:
         return (policy,) * num_layers
-    from kvq_jax.codecs.formats.intb import register_table
+    from kvq_jax.codecs.formats.intb import register_layer_tables, register_table
     from kvq_jax.core.calibration import get_key_tables
 
     tables = get_key_tables(policy.key_tables)
@@ -128,6 +132,10 @@ def layer_policies(policy: Policy, model, num_loops: int | None = None) -> tuple
     c = model.config
     tables.check_fit(policy.name, [name], num_layers, num_kv_heads=c.num_kv_heads,
                      head_dim=c.head_dim, rope_theta=c.rope_theta)  # fmt: skip
+    bits = [tables.table(layer) for layer in range(num_layers)]
+    if policy.heavy is None and len({sum(t[0]) for t in bits}) == 1:
+        key_format = register_layer_tables(bits)
+        return (policy.for_key_format(key_format, None, tables.rope_theta),) * num_layers
     return per_layer_policies(policy, tables, range(num_layers), register_table)
 
 
@@ -389,6 +397,21 @@ class Engine:
         pool_tokens = self.allocator.num_pages * self.page_size
         return sum(store.page_bytes for store in self.stores) / pool_tokens
 
+    def calibration_bytes(self) -> int:
+        """Bytes of per-model calibration data the cache formats carry, counted once per model
+        (not per token): an INTB bit table is one byte per (layer, head, channel) width
+        (FORMAT.md 2b); 0 for formats without tables."""
+        if self.cache_configs is None:
+            return 0
+        names = {f for c in set(self.cache_configs) for kind in ("key", "value")
+                 for f in c.loop_formats(kind)}  # fmt: skip
+        total = 0
+        for name in names:
+            fmt = layout(name)
+            tables = fmt.tables if fmt.per_layer else (getattr(fmt, "bits", None),)
+            total += sum(len(t) * len(t[0]) for t in tables if t is not None)
+        return total
+
     def scratch_bytes(self) -> int:
         """Bytes of the prefill scratch pool's pages (shared loop_kv: every loop of one prompt
         of up to max_pages_per_seq pages; 0 for loop_kv "all")."""
@@ -399,10 +422,12 @@ class Engine:
         and slots (quantized policies) or a `RawStore` (k, v [loops, pages, page_size, H, D])."""
         if not 0 <= layer < self.config.num_layers:
             raise ValueError(f"layer must be in [0, {self.config.num_layers}), got {layer!r}")
+        first = 0
         for count, store in zip(self.spec.groups, self.stores, strict=True):
-            if layer < count:
-                return store.layer(layer, self.allocator.num_pages, self.max_seqs)
-            layer -= count
+            if layer < first + count:
+                return store.layer(layer - first, self.allocator.num_pages, self.max_seqs,
+                                   index=layer)  # fmt: skip
+            first += count
         raise AssertionError("unreachable")
 
     def bf16_bytes_per_token(self) -> int:

@@ -143,6 +143,7 @@ def _run_policy(model, policy, prompt, args, *, forced=None, keep_logits=False) 
         "bf16_bytes_per_token": bf16,
         "ratio_to_bf16": kv / bf16,
         "raw_rows_per_sequence": engine.raw_rows_per_sequence(),
+        "calibration_bytes": engine.calibration_bytes(),
         "loops": engine.config.num_loops,
         "logits": np.stack(request.logits) if keep_logits else None,
     }
@@ -186,7 +187,9 @@ def _print_run(run: dict) -> None:
         f"{run['bf16_bytes_per_token']}, ratio {run['ratio_to_bf16']:.3f}); plus "
         f"{run['raw_rows_per_sequence']} raw rows per sequence, layer and loop (staging page + "
         f"sink); loop_kv {run['loop_kv']}"
-    )
+        + (f"; calibration tables {run['calibration_bytes']} B per model"
+           if run["calibration_bytes"] else "")
+    )  # fmt: skip
     c = run.get("compare")
     if c:
         print(

@@ -123,8 +123,9 @@ def scan_layer_groups(spec, params, stores, h, tables, body):
     """Run every layer group's layers in order, one `lax.scan` per group: body(layer_params,
     h, store, tables_g, j, index) -> (h, store, y), with tables_g the group's folded block
     tables, j the layer within the group (traced; `layer_ids(seq_ids, j, spec.max_seqs)`
-    are its slots) and index the model layer (traced). Returns (h, stores, ys), ys the
-    per-layer outputs stacked over all layers."""
+    are its slots), index the model layer (traced) and the store read and written as that
+    layer (`at_layer`: a format with one table per layer reads layer index's). Returns
+    (h, stores, ys), ys the per-layer outputs stacked over all layers."""
     layer_params = architecture(spec.config).layer_params
     out, ys, first = [], [], 0
     for count, store in zip(spec.groups, stores, strict=True):
@@ -132,7 +133,9 @@ def scan_layer_groups(spec, params, stores, h, tables, body):
 
         def step(carry, j, first=first, tables_g=tables_g):
             h, store = carry
-            h, store, y = body(layer_params(params, first + j), h, store, tables_g, j, first + j)
+            index = first + j
+            h, store, y = body(layer_params(params, index), h, store.at_layer(index), tables_g,
+                               j, index)  # fmt: skip
             return (h, store), y
 
         (h, store), y = lax.scan(step, (h, store), jnp.arange(count, dtype=jnp.int32))

@@ -12,6 +12,7 @@ one stacked buffer (in place under donation, as a single layer's cache).
 
 Both stores implement the same operations (no `isinstance` at the call sites):
 
+    store.at_layer(layer) -> store                   (read / write as model layer `layer`)
     store.append(k, v, tables, seq_ids, start, loop=..., backend=..., exited=None) -> store
     store.attend(q, tables, seq_ids, lens, loop=..., backend=..., return_lse=False)
         -> float32 [B, Hq, D] (and with return_lse its log-sum-exp [B, Hq])
@@ -132,6 +133,11 @@ class QuantizedStore:
         )
         return cls(paged_cache.init_cache(folded))
 
+    def at_layer(self, layer):
+        """The store read and written as model layer `layer` (traced int): a format with one
+        table per layer uses that layer's (`cache_state.at_layer`)."""
+        return QuantizedStore(cache_state.at_layer(self.cache, layer))
+
     def append(self, k, v, tables, seq_ids, start, *, loop, backend, exited=None):
         del start  # the cache knows its lengths (seq_lens[loop])
         cache = paged_cache.append(
@@ -200,8 +206,9 @@ class QuantizedStore:
         padded.update((name, pad(rows[name], 1, slot_ids.size)) for name, _ in cache.slot_arrays())
         return QuantizedStore(_put_cache(cache, padded, slot_ids, page_ids))
 
-    def layer(self, j: int, num_pages: int, max_seqs: int) -> PagedKVCache:
-        """A copy of layer j's cache as a standalone PagedKVCache (P pages, S slots)."""
+    def layer(self, j: int, num_pages: int, max_seqs: int, index: int = 0) -> PagedKVCache:
+        """A copy of layer j's cache as a standalone PagedKVCache (P pages, S slots), read as
+        model layer `index` (`cache_state.at_layer`)."""
         cache = self.cache
         config = dataclasses.replace(cache.config, num_pages=num_pages, max_seqs=max_seqs)
 
@@ -213,7 +220,9 @@ class QuantizedStore:
 
         updates = {name: pages(a, axis) for name, axis, a in cache.page_arrays()}
         updates.update((name, slots(a)) for name, a in cache.slot_arrays())
-        return dataclasses.replace(cache.with_arrays(updates), config=config)
+        return cache_state.at_layer(
+            dataclasses.replace(cache.with_arrays(updates), config=config), index
+        )
 
     @property
     def page_bytes(self) -> int:
@@ -267,6 +276,10 @@ class RawStore:
         """A store holding the values k, v [loops, G * P, page_size, H, D] (their dtype)."""
         stored = _STORED_AS.get(jnp.dtype(k.dtype), jnp.dtype(k.dtype))
         return cls(_to_stored(k, stored), _to_stored(v, stored))
+
+    def at_layer(self, layer):
+        del layer  # raw rows have no per-layer tables
+        return self
 
     def append(self, k, v, tables, seq_ids, start, *, loop, backend, exited=None):
         """Write k, v [B, n, H, D] at positions start[b] .. + n (no page: dropped)."""
@@ -356,9 +369,9 @@ class RawStore:
 
         return _put_raw(self, pad(rows["k"]), pad(rows["v"]), ids)
 
-    def layer(self, j: int, num_pages: int, max_seqs: int) -> RawStore:
+    def layer(self, j: int, num_pages: int, max_seqs: int, index: int = 0) -> RawStore:
         """A copy of layer j's K/V values: k, v [loops, P, page_size, H, D]."""
-        del max_seqs
+        del max_seqs, index
         return RawStore(*(_from_stored(lax.slice_in_dim(a, j * num_pages, (j + 1) * num_pages,
                                                         axis=1))
                           for a in (self.k, self.v)))  # fmt: skip

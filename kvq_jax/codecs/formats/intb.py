@@ -15,7 +15,7 @@ from kvq_jax.codecs import _grouping
 from kvq_jax.codecs._numerics import widen
 from kvq_jax.codecs.codec import Codec
 from kvq_jax.codecs.formats.int4 import dequantize_groups, group_range, quantize_groups
-from kvq_jax.core.layouts import IntBLayout
+from kvq_jax.core.layouts import IntBLayersLayout, IntBLayout
 
 
 def pack_stream(codes: jnp.ndarray, channel: np.ndarray, bit: np.ndarray) -> jnp.ndarray:
@@ -37,27 +37,88 @@ def unpack_stream(packed: jnp.ndarray, index: np.ndarray, valid: np.ndarray) -> 
     flat = jnp.asarray(index.reshape(h, d * 8))
     gathered = jnp.take_along_axis(bits, jnp.broadcast_to(flat, (*bits.shape[:-2], h, d * 8)), -1)
     gathered = gathered.reshape(*bits.shape[:-2], h, d, 8)
-    weights = jnp.asarray(np.where(valid, 1 << np.arange(8), 0).astype(np.uint8))
+    weights = jnp.where(valid, (1 << np.arange(8)).astype(np.uint8), np.uint8(0))
     return jnp.sum(gathered * weights, axis=-1, dtype=jnp.uint8)
+
+
+def encode_with(values, axis, group_size, levels, stream) -> dict:
+    """INTB's arrays of validated [T, H, D] values under a table's levels [H, D] and stream
+    maps (static or traced)."""
+    layout = _grouping.GroupLayout(values.shape, axis, group_size)
+    mn, mx, finite = group_range(layout, values)
+    xg = layout.split(widen(values), 0.0)
+    codes_g, minimum, scale = quantize_groups(xg, mn, mx, finite, levels)
+    codes = pack_stream(layout.merge(codes_g), *stream)
+    m = layout.member_axis
+    return {"codes": codes, "minimum": minimum.squeeze(m), "scale": scale.squeeze(m)}
+
+
+def unpack_with(packed, dtype, code) -> jnp.ndarray:
+    """INTB's decode of `packed` under a table's code maps (static or traced)."""
+    layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
+    codes = unpack_stream(packed.codes, *code)
+    out = dequantize_groups(
+        layout.split(codes, 0), packed.minimum, packed.scale, layout.member_axis
+    )
+    return layout.merge(out).astype(dtype)
 
 
 class IntBCodec(IntBLayout, Codec):
     def encode(self, values, *, axis, group_size) -> dict:
-        layout = _grouping.GroupLayout(values.shape, axis, group_size)
-        mn, mx, finite = group_range(layout, values)
-        xg = layout.split(widen(values), 0.0)
-        codes_g, minimum, scale = quantize_groups(xg, mn, mx, finite, self.levels())
-        codes = pack_stream(layout.merge(codes_g), *self.stream_maps())
-        m = layout.member_axis
-        return {"codes": codes, "minimum": minimum.squeeze(m), "scale": scale.squeeze(m)}
+        return encode_with(values, axis, group_size, self.levels(), self.stream_maps())
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
-        layout = _grouping.GroupLayout(packed.shape, packed.axis, packed.group_size)
-        codes = unpack_stream(packed.codes, *self.code_maps())
-        out = dequantize_groups(
-            layout.split(codes, 0), packed.minimum, packed.scale, layout.member_axis
-        )
-        return layout.merge(out).astype(dtype)
+        return unpack_with(packed, dtype, self.code_maps())
+
+
+def table_maps(bits, row_bytes: int):
+    """The `IntBLayout` maps of a *traced* bit table int32 [H, D] of row width `row_bytes`
+    (static): (levels float32 [H, D], (channel, bit) int32 [H, 8W] for `pack_stream`,
+    (index int32, valid bool) [H, D, 8] for `unpack_stream`); equal to the static maps of the
+    same table. Channel c holds stream bits [start_c, end_c) of its head's row."""
+    bits = jnp.asarray(bits, jnp.int32)
+    end = jnp.cumsum(bits, axis=-1)
+    start = end - bits
+    stream = jnp.arange(8 * row_bytes, dtype=jnp.int32)
+    channel = jnp.sum(end[:, None, :] <= stream[None, :, None], axis=-1, dtype=jnp.int32)
+    bit = stream[None] - jnp.take_along_axis(start, channel, axis=-1)
+    i = jnp.arange(8, dtype=jnp.int32)
+    index = jnp.minimum(start[..., None] + i, 8 * row_bytes - 1)
+    levels = (jnp.left_shift(1, bits) - 1).astype(jnp.float32)
+    return levels, (channel, bit), (index, i < bits[..., None])
+
+
+class IntBLayersCodec(IntBLayersLayout, Codec):
+    """INTB with one bit table per model layer (`IntBLayersLayout`): encode / unpack take the
+    layer (int or traced int32 scalar) and read its table from the stacked tables
+    [N, H, D], so one compiled function serves every layer."""
+
+    def _maps(self, layer):
+        if layer is None:
+            raise ValueError(
+                f"layer: format {self.name!r} holds one INTB bit table per model layer "
+                f"({self.num_layers}); pass the layer (an int or an int32 scalar)"
+            )
+        tables = jnp.asarray(np.asarray(self.tables, np.int32))
+        return table_maps(tables[jnp.asarray(layer, jnp.int32)], self.row_bytes)
+
+    def encode(self, values, *, axis, group_size, layer=None) -> dict:
+        levels, stream, _ = self._maps(layer)
+        return encode_with(values, axis, group_size, levels, stream)
+
+    def unpack(self, packed, dtype, layer=None) -> jnp.ndarray:
+        return unpack_with(packed, dtype, self._maps(layer)[2])
+
+
+def register_layer_tables(tables) -> str:
+    """Register the per-layer INTB format of `tables` ([N][H][D] bit tables of one row width)
+    in the JAX registry unless a codec of that name is there already; returns its name."""
+    from kvq_jax.codecs.registry import CODECS, register_codec
+
+    codec = IntBLayersCodec(tables)
+    if codec.name not in CODECS:
+        register_codec(codec)
+    return codec.name
 
 
 def register_table(bits) -> str:

@@ -80,14 +80,16 @@ def config_support(
 
 
 def dispatch(
-    pages, *, kind: str, format: str, group_size: int, axis: str, backend: str, launch=None
-):
+    pages, *, kind: str, format: str, group_size: int, axis: str, backend: str, launch=None,
+    layer=None,
+):  # fmt: skip
     """`pack_paged` for validated pages and resolved (axis, group_size): picks the backend
     and runs it (traceable)."""
     page_shape = tuple(pages.shape[1:])
     impl = _backend.resolve_backend(backend, _reason(page_shape, format, axis, group_size))
     if impl == "xla" or pages.shape[0] == 0:  # nothing to launch for zero pages
-        return xla.pack_paged(pages, kind=kind, format=format, group_size=group_size, axis=axis)
+        return xla.pack_paged(pages, kind=kind, format=format, group_size=group_size, axis=axis,
+                              layer=layer)  # fmt: skip
     if launch is None:
         launch = _launch.page_pack(page_shape[0], page_shape[2], format)
     return pallas_triton.pack_paged(
@@ -113,6 +115,7 @@ def pack_paged(
     axis: str | None = None,
     backend: str = "auto",
     launch: _launch.Launch | None = None,
+    layer=None,
 ) -> PackedKV:
     """Pack every page of `pages` [P, page_size, H, D] on its own (`kvq_jax.cache.paged`).
 
@@ -126,6 +129,8 @@ def pack_paged(
         does not take the configuration (`config_support`) or, for "pallas", the device.
       launch: the kernel's `kvq_jax.kernels.launch.Launch` (warps, stages); None: the rule
         of `kvq_jax.kernels.launch.page_pack`. Ignored by XLA.
+      layer: the model layer (int or int32 scalar) of a format with one table per layer
+        (`pack_kv`'s layer; served by XLA); ignored by the other formats.
 
     Returns:
       A `PackedKV` whose arrays carry a leading page axis (`batch_shape == (P,)`), the same
@@ -136,7 +141,7 @@ def pack_paged(
     axis, group_size = resolve_paged(format, kind, (page_size, h, d), axis, group_size)
     return dispatch(
         pages, kind=kind, format=format, group_size=group_size, axis=axis, backend=backend,
-        launch=_launch.check_launch(launch),
+        launch=_launch.check_launch(launch), layer=layer,
     )  # fmt: skip
 
 

@@ -11,10 +11,14 @@ from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.codecs.registry import get_codec
 
 
-def pack_paged(pages, *, kind: str, format: str, group_size: int, axis: str) -> PackedKV:
+def pack_paged(pages, *, kind: str, format: str, group_size: int, axis: str,
+               layer=None) -> PackedKV:  # fmt: skip
     """Pack validated pages [P, page_size, H, D] (axis and group_size resolved) page by page:
-    a PackedKV whose arrays carry a leading page axis."""
+    a PackedKV whose arrays carry a leading page axis. layer: the model layer of a format with
+    one table per layer (int or int32 scalar; ignored by the others)."""
     codec = get_codec(format)
-    return jax.vmap(lambda page: codec.pack(page, kind=kind, axis=axis, group_size=group_size))(
-        pages
-    )
+
+    def one(page):
+        return codec.pack(page, kind=kind, axis=axis, group_size=group_size, layer=layer)
+
+    return jax.vmap(one)(pages)

@@ -120,7 +120,9 @@ def dispatch(cache, kind: str, pages, *, loop: int, backend: str, launch=None):
     config = cache.config
     impl = resolve_backend(backend, config_support(config, kind))
     if impl == "xla":
-        return xla.decode_pages(cache.loop_chain(kind, loop), pages, depth=cache.depth)
+        return xla.decode_pages(
+            cache.loop_chain(kind, loop), pages, depth=cache.depth, layer=cache.layer
+        )
     base, delta = planes(cache, kind)
     if launch is None:
         launch = _launch.page_reconstruct(config.page_size, config.head_dim)

@@ -93,7 +93,7 @@ def _take_rows(a, pages, level=None):
     return jnp.expand_dims(out, tuple(i - lead + 1 for i in ones)) if ones else out
 
 
-def decode_pages(chain, pages, *, depth=None) -> jnp.ndarray:
+def decode_pages(chain, pages, *, depth=None, layer=None) -> jnp.ndarray:
     """One loop of physical pages `pages` (int32 [N]): [N, page_size, H, D] in the cache dtype.
 
     chain: `cache.loop_chain(kind, loop)`, ((loop_i, plane, level, absolute), ...): the first
@@ -102,7 +102,8 @@ def decode_pages(chain, pages, *, depth=None) -> jnp.ndarray:
     the running reconstruction (`decode_residual`). Planes as the cache stores them or with
     their format's dtypes; XLA index semantics for ids. depth: uint8 [P, page_size] or None
     (adaptive exits, chains from loop 0): a row keeps loop depth[row] once it is passed (the
-    later loops are skipped).
+    later loops are skipped). layer: the cache's layer (`PagedKVCache.layer`), for formats with
+    one table per model layer.
     """
     n = pages.shape[0]
     ps, h, d = chain[0][1].shape
@@ -113,7 +114,8 @@ def decode_pages(chain, pages, *, depth=None) -> jnp.ndarray:
     rows = None
     if depth is not None:  # [N * page_size, 1, 1] or [N, page_size, 1, 1]
         rows = depth[pages].reshape((n * ps,) if flat else (n, ps))[..., None, None]
-    decode = unpack_kv if flat else jax.vmap(unpack_kv)
+    one = functools.partial(unpack_kv, layer=layer)
+    decode = one if flat else jax.vmap(one)
     recon = None
     for loop, plane, level, absolute in chain:
         decoded = decode(_take(plane, pages, flat, level=level))

@@ -35,7 +35,7 @@ def paged_decode_attention_reference(q, cache, block_tables, seq_lens, seq_ids, 
 
     def decode(kind, pages):
         chain = cache.loop_chain(kind, loop)
-        return page_xla.decode_pages(chain, pages, depth=cache.depth)
+        return page_xla.decode_pages(chain, pages, depth=cache.depth, layer=cache.layer)
 
     rows = cache_state.table_rows(block_tables, seq_ids)
     k, v = cache_state.read_batch(cache, rows, seq_lens, seq_ids, loop=loop, decode=decode)
@@ -97,7 +97,7 @@ def paged_decode_attention(
 
     def decode(kind, pages):
         chain = cache.loop_chain(kind, loop)
-        out = page_xla.decode_pages(chain, pages, depth=cache.depth)
+        out = page_xla.decode_pages(chain, pages, depth=cache.depth, layer=cache.layer)
         return out.reshape(b, block_tokens, h, d)
 
     def body(j, state):
