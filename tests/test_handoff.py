@@ -114,8 +114,9 @@ def test_view_refuses_what_it_cannot_share(tiny):
     layered = register_layer_tables([((2, 6) * 32, (4,) * 64), ((4,) * 64, (6, 2) * 32)])
     policy = Policy("layered-keys", layered, layered, group_size=64)
     with pytest.raises(ValueError, match="per-layer INTB format"):
-        handoff.serving_view(Engine(model, policy, num_pages=8, page_size=64, max_seqs=2,
-                                    max_pages_per_seq=4))
+        handoff.serving_view(
+            Engine(model, policy, num_pages=8, page_size=64, max_seqs=2, max_pages_per_seq=4)
+        )
 
 
 def test_add_prefilled_refusal_changes_nothing(tiny):

@@ -154,10 +154,11 @@ def serving_view(engine: Engine) -> ServingView:
         raise ValueError(f"engine: {len(engine.stores)} layer groups; the handoff needs one "
                          "configuration for every layer")  # fmt: skip
     if engine.cache_config is not None and engine.cache_config.layered:
-        raise ValueError(f"engine: policy {engine.policy.name!r} stores keys in a per-layer "
-                         "INTB format (one bit table per layer, picked by the layer index); "
-                         "the Torch serving cache holds one format for every block, so the "
-                         "handoff needs tables that are the same format in every layer")  # fmt: skip
+        raise ValueError(
+            f"engine: policy {engine.policy.name!r} stores keys in a per-layer INTB format "
+            "(one bit table per layer, picked by the layer index); the Torch serving cache "
+            "holds one format for every block, so the handoff needs one format in every layer"
+        )
     kv_cache_dtype = _kv_cache_dtype(engine)
     alloc = engine.allocator
     layers, p, s = engine.config.num_layers, alloc.num_pages, engine.max_seqs
