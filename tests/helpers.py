@@ -98,3 +98,20 @@ def serving_rows(cache, rows, kind: str):
             page = kt.unpack_kv(kt.pack_kv(page, **cache.config.pack_args(kind, "base")))
         parts.append(page.to(torch.bfloat16))
     return torch.cat(parts)
+
+
+def rotated_space_atol(cache, loop: int, values, base: float = 1e-5) -> float:
+    """Tolerance of attention over values attended in the Hadamard-rotated space
+    (`kernels.paged_attention.xla`) against dense attention on reconstructed rows: `base`
+    (float32 round-off), plus, for a 16-bit cache whose value chain is rotated, the cache
+    dtype's rounding of each loop's decoded row and sum that the reference makes and the
+    rotated path does not: (loop + 1) * eps * max|v| (the output is a convex combination of
+    rows, each off by at most that much)."""
+    from kvq_jax.kernels.page_reconstruct.xla import rotated_chain
+
+    dtype = np.dtype(cache.config.dtype)
+    if dtype == np.float32 or not rotated_chain(cache.loop_chain("value", loop)):
+        return base
+    return base + (loop + 1) * float(np.finfo(dtype).eps) * float(
+        np.abs(np.asarray(values, np.float32)).max()
+    )

@@ -66,7 +66,7 @@ def test_traced_maps_equal_the_static_maps_of_the_table():
             jnp.asarray(table), codec.row_bytes
         )
         np.testing.assert_array_equal(levels, codec.levels())
-        for got, want in zip((*stream, *code), (*codec.stream_maps(), *codec.code_maps()),
+        for got, want in zip((*stream, *code), (*codec.stream_maps(), *codec.code_starts()),
                              strict=True):  # fmt: skip
             np.testing.assert_array_equal(np.asarray(got), want)
 

@@ -14,7 +14,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_same_bytes, assert_same_values, assert_trees_same_bytes
+from helpers import (
+    assert_same_bytes,
+    assert_same_values,
+    assert_trees_same_bytes,
+    rotated_space_atol,
+)
 
 import kvq_jax
 from kvq_jax.cache.paged import resolve_paged
@@ -29,6 +34,7 @@ from kvq_jax.cache.paged_cache import (
     init_cache,
 )
 from kvq_jax.codecs.cache_state import codec_view
+from kvq_jax.kernels.page_reconstruct import xla as page_xla
 
 H, D, T, L, S = 2, 16, 19, 3, 2
 KINDS = (("key", "k"), ("value", "v"))
@@ -293,12 +299,13 @@ def test_paged_attention(name):
         assert out.dtype == jnp.float32 and out.shape == (S, 2 * H, D)
         kr, vr = gather_batch(cache, tables, lens, loop=loop)
         dense = dense_decode_attention(q, kr, vr, lens)
-        np.testing.assert_allclose(out, dense, rtol=1e-5, atol=1e-5, err_msg="paged vs dense")
+        atol = rotated_space_atol(cache, loop, vr)
+        np.testing.assert_allclose(out, dense, rtol=1e-5, atol=atol, err_msg="paged vs dense")
         for s in range(S) if loop == L - 1 else ():
             n = int(seq_lens[s])
             kg, vg = gather(cache, seq_id=s, seq_len=n, block_table=tables[s], loop=loop)
             one = dense_decode_attention(q[s : s + 1], kg[None], vg[None], lens[s : s + 1])
-            np.testing.assert_allclose(out[s], one[0], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(out[s], one[0], rtol=1e-5, atol=atol)
         k32, v32 = k[loop].astype(np.float32), v[loop].astype(np.float32)
         exact = np.asarray(dense_decode_attention(q, k32, v32, lens))
         kh, vh = np.asarray(kr, np.float32), np.asarray(vr, np.float32)
@@ -306,6 +313,47 @@ def test_paged_attention(name):
         err = np.abs(np.asarray(out) - exact).max(axis=-1)
         assert np.all(err <= bound + 1e-4), f"loop {loop}: err {err} > bound {bound}"
         assert np.all(err > 0), "quantization must change the output"
+
+
+def _rotated_f32():
+    """hint-p4-f16's formats in a float32 cache: rotated-space attention is then the reference
+    to float32 round-off."""
+    config = dataclasses.replace(make_config("hint-p4-f16"), dtype=np.float32)
+    k, v = make_kv(config, seed=3)
+    return config, fill(config, k, v, [3, 5, 3, 5, 3])
+
+
+def _check_rotated_space(config, cache):
+    tables = jnp.asarray(make_tables(config))
+    q = np.random.default_rng(8).standard_normal((S, 2 * H, D)).astype(np.float32)
+    lens = jnp.asarray([T, T - 3], jnp.int32)
+    for loop in range(L):
+        assert page_xla.rotated_chain(cache.loop_chain("value", loop))
+        out = paged_decode_attention(q, cache, tables, lens, loop=loop)
+        kr, vr = gather_batch(cache, tables, lens, loop=loop)
+        dense = dense_decode_attention(q, kr, vr, lens)
+        np.testing.assert_allclose(out, dense, rtol=1e-5, atol=1e-5, err_msg=f"loop {loop}")
+
+
+def test_values_attended_in_the_rotated_space():
+    """Hadamard-rotated values (every loop HINT) are attended without un-rotating each row:
+    equal to dense attention on the reconstructed rows (float32 cache: round-off only), raw
+    sink and staging rows included (lengths end mid-page)."""
+    _check_rotated_space(*_rotated_f32())
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_rotated_space_planted_defect(monkeypatch):
+    """The check fails when the output is not un-rotated (xfail strict)."""
+    from kvq_jax.kernels.paged_attention import xla as attention_xla
+
+    config, cache = _rotated_f32()
+    monkeypatch.setattr(attention_xla, "unrotate", lambda y: y)
+    jax.clear_caches()
+    try:
+        _check_rotated_space(config, cache)
+    finally:
+        jax.clear_caches()
 
 
 def test_paged_attention_single_token_and_gqa_errors():

@@ -143,6 +143,19 @@ def _last_page(buf, fill):
     return jnp.where(keep, last, jnp.zeros((), last.dtype))
 
 
+def _when_any_page(complete, pack):
+    """pack() where some page of the call completes (`complete` bool [B * C]); on XLA:CPU a
+    conditional skips the pack of a decode step that completes no page (63 of 64 steps at
+    64-token pages: their writes are dropped anyway), elsewhere it always runs (a conditional
+    costs a GPU a host round trip for its predicate)."""
+
+    def cpu(complete):
+        skip = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(pack))
+        return lax.cond(jnp.any(complete), pack, lambda: skip)
+
+    return lax.platform_dependent(complete, cpu=cpu, default=lambda complete: pack())
+
+
 def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend) -> dict:
     """Quantize the completed buffer pages [B * C, ps, H, D] into the plane of K or V's loop
     `loop`; returns the updated plane field ({field: value})."""
@@ -151,22 +164,27 @@ def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend) -> dict:
     target = plan.target
     args = config.loop_pack_args(kind, loop)
     absolute = loop in config.absolute_loops(kind)
-    if loop == 0 or (absolute and exited_rows is None):
-        # Loop 0, or a loop stored absolute: the page itself (`encode_residual(absolute=True)`).
-        payload = pages
-    else:
-        previous = page_reconstruct.dispatch(
-            cache, kind, jnp.clip(target, 0, config.num_pages - 1), loop=loop - 1,
-            backend=backend,
-        )  # fmt: skip
-        # The payload of `encode_residual(page, previous)` (dense, no window) for every page; a
-        # row that exited keeps its previous loop (`depth`): its delta is stored as zero, and
-        # in an absolute loop the row packed is its previous loop (read back through `depth`).
-        payload = pages if absolute else subtract_in_dtype(pages, previous)
-        if exited_rows is not None:
-            kept = previous if absolute else jnp.zeros((), payload.dtype)
-            payload = jnp.where(exited_rows[:, :, None, None], kept, payload)
-    packed = page_pack.dispatch(payload, **args, backend=backend, layer=cache.layer)
+
+    def pack():
+        if loop == 0 or (absolute and exited_rows is None):
+            # Loop 0, or a loop stored absolute: the page itself (`encode_residual(absolute=True)`).
+            payload = pages
+        else:
+            previous = page_reconstruct.dispatch(
+                cache, kind, jnp.clip(target, 0, config.num_pages - 1), loop=loop - 1,
+                backend=backend,
+            )  # fmt: skip
+            # The payload of `encode_residual(page, previous)` (dense, no window) for every
+            # page; a row that exited keeps its previous loop (`depth`): its delta is stored as
+            # zero, and in an absolute loop the row packed is its previous loop (read back
+            # through `depth`).
+            payload = pages if absolute else subtract_in_dtype(pages, previous)
+            if exited_rows is not None:
+                kept = previous if absolute else jnp.zeros((), payload.dtype)
+                payload = jnp.where(exited_rows[:, :, None, None], kept, payload)
+        return page_pack.dispatch(payload, **args, backend=backend, layer=cache.layer)
+
+    packed = _when_any_page(target < config.num_pages, pack)
     index = target if level is None else (level, target)
     new = jax.tree.map(lambda a, u: _set(a, index, u, mode="drop"), plane, packed)
     return cache.with_loop_plane(kind, loop, new)

@@ -15,6 +15,7 @@ import numpy as np
 from kvq_jax.codecs.packed import PackedKV, WindowedKV
 from kvq_jax.codecs.registry import get_codec
 from kvq_jax.core.checks import check_values
+from kvq_jax.core.codec_base import layer_arg
 from kvq_jax.core.layouts import check_float_dtype
 from kvq_jax.core.window import Window, check_window, split_rows
 
@@ -52,10 +53,11 @@ def pack_kv(
     shape, _ = check_values(values)
     codec = get_codec(format)
     axis, group_size = codec.resolve(shape, kind, axis, group_size)
+    args = dict(kind=kind, axis=axis, group_size=group_size, **layer_arg(codec, layer))
     if check_window(window) is None:
-        return codec.pack(values, kind=kind, axis=axis, group_size=group_size, layer=layer)
+        return codec.pack(values, **args)
     head, middle, tail = split_rows(values, window)
-    packed = codec.pack(middle, kind=kind, axis=axis, group_size=group_size, layer=layer)
+    packed = codec.pack(middle, **args)
     return WindowedKV(head=head, tail=tail, middle=packed, window=window, shape=shape)
 
 
@@ -74,4 +76,5 @@ def unpack_kv(packed: PackedKV | WindowedKV, dtype=None, layer=None) -> jnp.ndar
     if isinstance(packed, WindowedKV):
         middle = unpack_kv(packed.middle, dtype, layer)
         return jnp.concatenate([packed.head.astype(dtype), middle, packed.tail.astype(dtype)])
-    return get_codec(packed.format).unpack_at(packed, dtype, layer)
+    codec = get_codec(packed.format)
+    return codec.unpack(packed, dtype, **layer_arg(codec, layer))

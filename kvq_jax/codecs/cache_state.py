@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.codecs.registry import get_codec
 from kvq_jax.core.cache_config import PagedCacheConfig
+from kvq_jax.core.codec_base import layer_arg
 from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, plane_fields, rest_dtype
 from kvq_jax.core.registry import layout
 
@@ -109,7 +110,7 @@ def empty_packed(config: PagedCacheConfig, pack_args: dict, batch: tuple[int, ..
     codec = get_codec(args.pop("format"))  # this stack must implement the format
     page = jax.ShapeDtypeStruct(config.page_shape, config.dtype)
     layer = 0 if codec.per_layer else None  # shapes are the same for every layer
-    shapes = jax.eval_shape(functools.partial(codec.pack, **args, layer=layer), page)
+    shapes = jax.eval_shape(functools.partial(codec.pack, **args, **layer_arg(codec, layer)), page)
     return jax.tree.map(lambda s: jnp.zeros((*batch, *s.shape), rest_dtype(s.dtype)), shapes)
 
 

@@ -13,6 +13,12 @@ import abc
 from kvq_jax.core.layouts import FormatLayout
 
 
+def layer_arg(codec, layer) -> dict:
+    """{"layer": layer} for a `per_layer` codec, else {}: codecs with one table for every
+    layer (a registered codec may predate the argument) are called without it."""
+    return {"layer": layer} if getattr(codec, "per_layer", False) else {}
+
+
 class CodecBase(FormatLayout, abc.ABC):
     """`pack` = `encode` + the stack's `PackedKV`; subclasses give `encode`, `unpack` and
     `_packed` (the stack's wrapper, written once per stack in its `Codec`)."""
@@ -21,8 +27,7 @@ class CodecBase(FormatLayout, abc.ABC):
         """Quantize validated [T, H, D] values (axis/group_size already resolved) to a
         `PackedKV` of this format. layer: the model layer of a `per_layer` format (an int or
         an int32 scalar); the other formats ignore it."""
-        extra = {"layer": layer} if self.per_layer else {}
-        arrays = self.encode(values, axis=axis, group_size=group_size, **extra)
+        arrays = self.encode(values, axis=axis, group_size=group_size, **layer_arg(self, layer))
         return self._packed(
             arrays, kind=kind, axis=axis, group_size=group_size,
             shape=values.shape, dtype=values.dtype,
@@ -35,12 +40,6 @@ class CodecBase(FormatLayout, abc.ABC):
     @abc.abstractmethod
     def unpack(self, packed, dtype):
         """Reference dequantization to [T, H, D] in `dtype` (a numpy dtype)."""
-
-    def unpack_at(self, packed, dtype, layer=None):
-        """`unpack`, with the model layer for a `per_layer` format (ignored by the others)."""
-        if self.per_layer:
-            return self.unpack(packed, dtype, layer=layer)
-        return self.unpack(packed, dtype)
 
     @abc.abstractmethod
     def _packed(self, arrays: dict, *, kind, axis, group_size, shape, dtype):

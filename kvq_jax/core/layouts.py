@@ -207,6 +207,12 @@ class IntBLayout(FormatLayout):
             bit[head] = np.concatenate([np.arange(b) for b in row])
         return channel, bit
 
+    def code_starts(self) -> tuple[np.ndarray, np.ndarray]:
+        """int32 [H, D] stream bit where each channel's code starts, and its width (unpacking
+        by bytes: a code of <= 8 bits lies within two consecutive bytes)."""
+        table = np.asarray(self.bits, np.int32)
+        return np.cumsum(table, axis=1, dtype=np.int32) - table, table
+
     def code_maps(self) -> tuple[np.ndarray, np.ndarray]:
         """int32 [H, D, 8] stream bit of bit i of each channel's code (clamped to the row),
         and bool [H, D, 8] whether bit i exists (i < b) (unpacking)."""

@@ -212,9 +212,9 @@ def test_xla_decode_fusion_reads_taken_pages():
     assert not mixed, mixed[0]
 
 
-def _skip_last_residual(chain, pages, *, depth=None):
+def _skip_last_residual(chain, pages, **kwargs):
     """A planted defect in the XLA path: one residual step too few."""
-    return _XLA_DECODE(chain[: max(len(chain) - 1, 1)], pages, depth=depth)
+    return _XLA_DECODE(chain[: max(len(chain) - 1, 1)], pages, **kwargs)
 
 
 _XLA_DECODE = page_reconstruct_xla.decode_pages

@@ -45,15 +45,26 @@ def unrotate(y: jnp.ndarray) -> jnp.ndarray:
 
 
 class _Rotated(Codec):
-    """A base codec's data paths on rotated rows (the layout comes from the subclass)."""
+    """A base codec's data paths on rotated rows (the layout comes from the subclass).
+
+    `rotated_space`: attention may read `unpack_rotated` (the rows still rotated, float32) and
+    un-rotate its output once instead of every row (`kernels.paged_attention.xla`): the
+    rotation is linear, so the two agree up to rounding.
+    """
 
     base_codec: Codec
+    rotated_space = True
 
     def encode(self, values, *, axis, group_size) -> dict:
         return self.base_codec.encode(rotate(widen(values)), axis=axis, group_size=group_size)
 
     def unpack(self, packed, dtype) -> jnp.ndarray:
-        return unrotate(self.base_codec.unpack(packed, jnp.float32)).astype(dtype)
+        return unrotate(self.unpack_rotated(packed)).astype(dtype)
+
+    def unpack_rotated(self, packed) -> jnp.ndarray:
+        """float32 [T, H, D]: the base codec's decode of the rotated rows (`rotate(x)`'s
+        reconstruction; `unrotate` of it is `unpack` before the cast)."""
+        return self.base_codec.unpack(packed, jnp.float32)
 
 
 class HInt4Codec(HInt4Layout, _Rotated):

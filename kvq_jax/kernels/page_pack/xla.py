@@ -9,6 +9,7 @@ import jax
 
 from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.codecs.registry import get_codec
+from kvq_jax.core.codec_base import layer_arg
 
 
 def pack_paged(pages, *, kind: str, format: str, group_size: int, axis: str,
@@ -18,7 +19,9 @@ def pack_paged(pages, *, kind: str, format: str, group_size: int, axis: str,
     one table per layer (int or int32 scalar; ignored by the others)."""
     codec = get_codec(format)
 
+    args = dict(kind=kind, axis=axis, group_size=group_size, **layer_arg(codec, layer))
+
     def one(page):
-        return codec.pack(page, kind=kind, axis=axis, group_size=group_size, layer=layer)
+        return codec.pack(page, **args)
 
     return jax.vmap(one)(pages)

@@ -20,6 +20,7 @@ from jax import lax
 from kvq_jax.codecs._numerics import add_in_dtype
 from kvq_jax.codecs.api import unpack_kv
 from kvq_jax.codecs.cache_state import codec_view
+from kvq_jax.codecs.registry import get_codec
 
 
 def _taken(take, arrays: dict, pages) -> dict:
@@ -93,7 +94,13 @@ def _take_rows(a, pages, level=None):
     return jnp.expand_dims(out, tuple(i - lead + 1 for i in ones)) if ones else out
 
 
-def decode_pages(chain, pages, *, depth=None, layer=None) -> jnp.ndarray:
+def rotated_chain(chain) -> bool:
+    """True when every plane of `chain` is stored in a Hadamard-rotated format (FORMAT.md 2c,
+    one rotation for all): `decode_pages(rotated=True)` can then stay in the rotated space."""
+    return all(getattr(get_codec(plane.format), "rotated_space", False) for _, plane, _, _ in chain)
+
+
+def decode_pages(chain, pages, *, depth=None, layer=None, rotated=False) -> jnp.ndarray:
     """One loop of physical pages `pages` (int32 [N]): [N, page_size, H, D] in the cache dtype.
 
     chain: `cache.loop_chain(kind, loop)`, ((loop_i, plane, level, absolute), ...): the first
@@ -103,7 +110,10 @@ def decode_pages(chain, pages, *, depth=None, layer=None) -> jnp.ndarray:
     their format's dtypes; XLA index semantics for ids. depth: uint8 [P, page_size] or None
     (adaptive exits, chains from loop 0): a row keeps loop depth[row] once it is passed (the
     later loops are skipped). layer: the cache's layer (`PagedKVCache.layer`), for formats with
-    one table per model layer.
+    one table per model layer. rotated (a `rotated_chain`): float32 rows still in the rotated
+    space, each plane's `unpack_rotated` summed in float32 (attention un-rotates its output
+    once; `unrotate` of this is the reconstruction up to rounding: the reference rounds every
+    loop in the cache dtype).
     """
     n = pages.shape[0]
     ps, h, d = chain[0][1].shape
@@ -114,7 +124,13 @@ def decode_pages(chain, pages, *, depth=None, layer=None) -> jnp.ndarray:
     rows = None
     if depth is not None:  # [N * page_size, 1, 1] or [N, page_size, 1, 1]
         rows = depth[pages].reshape((n * ps,) if flat else (n, ps))[..., None, None]
-    one = functools.partial(unpack_kv, layer=layer)
+    if rotated:
+
+        def one(packed):
+            return get_codec(packed.format).unpack_rotated(packed)
+
+    else:
+        one = functools.partial(unpack_kv, layer=layer)
     decode = one if flat else jax.vmap(one)
     recon = None
     for loop, plane, level, absolute in chain:
@@ -124,6 +140,7 @@ def decode_pages(chain, pages, *, depth=None, layer=None) -> jnp.ndarray:
             continue
         # A dense residual without a window adds its decoded delta (`decode_residual`); an
         # absolute one is the decoded rows alone.
-        step = decoded if absolute else add_in_dtype(recon, decoded)
+        add = jnp.add if rotated else add_in_dtype
+        step = decoded if absolute else add(recon, decoded)
         recon = step if rows is None else jnp.where(rows >= loop, step, recon)
     return recon.reshape(n, ps, h, d)

@@ -12,6 +12,14 @@ with every row masked to the positions the reference reads it at: so peak memory
 of pages, whatever the context. The rows and masks are those of
 `cache_state.read_batch` (`paged_decode_attention_reference`: reconstruct every page, then
 dense attention), which it equals to float32 round-off.
+
+Values stored in a Hadamard-rotated format in every loop the chain reads (HINT4 / HINT2,
+FORMAT.md 2c) are attended in the rotated space: the quantized rows are decoded without their
+inverse rotation (`decode_pages(rotated=True)`), the raw sink and staging rows are rotated
+(`rotate`, a few rows per sequence), and the output is un-rotated once per query head. The
+rotation is linear, so this is the same attention up to rounding, without a butterfly per
+value row; the reference rounds each decoded row to the cache dtype first, so for a bfloat16
+or float16 cache the two differ by that rounding (float32 caches: float32 round-off).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import jax.numpy as jnp
 
 from kvq_jax.codecs import cache_state
 from kvq_jax.codecs.attention import OnlineSoftmax, attend, default_block_pages
+from kvq_jax.codecs.formats.hadamard import rotate, unrotate
 from kvq_jax.kernels.page_reconstruct import xla as page_xla
 
 
@@ -79,25 +88,31 @@ def paged_decode_attention(
 
     soft = OnlineSoftmax(jnp.asarray(q, jnp.float32).reshape(b, h, hq // h, d))
     state = soft.init()
+    rotated = page_xla.rotated_chain(cache.loop_chain("value", loop))
 
     def raw_rows(stage_or_sink):
         return stage_or_sink[loop][seq_ids]  # [B, n, H, D]
 
+    def raw_values(stage_or_sink):
+        rows = raw_rows(stage_or_sink)
+        return rotate(rows.astype(jnp.float32)) if rotated else rows
+
     if n_sink:
         pos = jnp.arange(n_sink)[None, :]
         sink_valid = pos < jnp.minimum(length, stored)[:, None]
-        k_sink, v_sink = raw_rows(cache.k_sink)[:, :n_sink], raw_rows(cache.v_sink)[:, :n_sink]
+        k_sink, v_sink = raw_rows(cache.k_sink)[:, :n_sink], raw_values(cache.v_sink)[:, :n_sink]
         state = soft.update(state, k_sink, v_sink, sink_valid)
 
     pos = stage_start[:, None] + jnp.arange(ps)[None, :]
     stage_valid = (pos >= n_sink) & (pos < length[:, None]) & (stage_start < m_pages * ps)[:, None]
-    state = soft.update(state, raw_rows(cache.k_stage), raw_rows(cache.v_stage), stage_valid)
+    state = soft.update(state, raw_rows(cache.k_stage), raw_values(cache.v_stage), stage_valid)
 
     block_tokens = block_pages * ps
 
     def decode(kind, pages):
         chain = cache.loop_chain(kind, loop)
-        out = page_xla.decode_pages(chain, pages, depth=cache.depth, layer=cache.layer)
+        out = page_xla.decode_pages(chain, pages, depth=cache.depth, layer=cache.layer,
+                                    rotated=rotated and kind == "value")  # fmt: skip
         return out.reshape(b, block_tokens, h, d)
 
     def body(j, state):
@@ -110,7 +125,8 @@ def paged_decode_attention(
     # Blocks past every sequence's last quantized row are never decoded.
     needed = jnp.minimum((jnp.max(limit) + block_tokens - 1) // block_tokens, n_blocks)
     state = jax.lax.fori_loop(0, needed, body, state)
-    out = soft.finish(state).reshape(b, hq, d)
+    out = soft.finish(state)  # [B, H, G, D]
+    out = (unrotate(out) if rotated else out).reshape(b, hq, d)
     if not return_lse:
         return out
     lse = soft.lse(state).reshape(b, hq)
