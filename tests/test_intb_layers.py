@@ -24,7 +24,6 @@ from kvq_jax.codecs.formats.intb import (
     IntBLayersCodec,
     register_layer_tables,
     register_table,
-    table_maps,
 )
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.kernels.paged_attention.api import paged_decode_attention
@@ -57,16 +56,18 @@ def name():
     kvq_jax.unregister_codec(name)
 
 
-def test_traced_maps_equal_the_static_maps_of_the_table():
-    for seed in range(8):
-        rng = np.random.default_rng(seed)
-        table = _table(rng, 3, 12, 8 * int(rng.integers(2, 12)))
-        codec = IntBCodec(table)
-        levels, stream, code = jax.jit(table_maps, static_argnums=1)(
-            jnp.asarray(table), codec.row_bytes
-        )
-        np.testing.assert_array_equal(levels, codec.levels())
-        for got, want in zip((*stream, *code), (*codec.stream_maps(), *codec.code_starts()),
+def test_traced_layer_maps_equal_the_static_maps_of_its_table():
+    """`IntBLayersCodec.maps` at a traced layer (one compiled function for every layer) is
+    `IntBCodec`'s static maps of that layer's table."""
+    rng = np.random.default_rng(5)
+    tables = [_table(rng, 3, 12, 40) for _ in range(4)]
+    codec = IntBLayersCodec(tables)
+    maps = jax.jit(codec.maps)
+    for layer, table in enumerate(tables):
+        levels, stream, code = maps(jnp.int32(layer))
+        static = IntBCodec(table)
+        np.testing.assert_array_equal(levels, static.levels())
+        for got, want in zip((*stream, *code), (*static.stream_maps(), *static.code_starts()),
                              strict=True):  # fmt: skip
             np.testing.assert_array_equal(np.asarray(got), want)
 

@@ -8,6 +8,8 @@ instance per table: `IntBCodec(bits)` registers under `intb_name(bits)` unless n
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -82,42 +84,38 @@ class IntBCodec(IntBLayout, Codec):
         return unpack_with(packed, dtype, self.code_starts())
 
 
-def table_maps(bits, row_bytes: int):
-    """The `IntBLayout` maps of a *traced* bit table int32 [H, D] of row width `row_bytes`
-    (static): (levels float32 [H, D], (channel, bit) int32 [H, 8W] for `pack_stream`,
-    (start, bits) int32 [H, D] for `unpack_stream`); equal to the static maps of the
-    same table (`stream_maps`, `code_starts`). Channel c holds stream bits [start_c, end_c)
-    of its head's row."""
-    bits = jnp.asarray(bits, jnp.int32)
-    end = jnp.cumsum(bits, axis=-1)
-    start = end - bits
-    stream = jnp.arange(8 * row_bytes, dtype=jnp.int32)
-    channel = jnp.sum(end[:, None, :] <= stream[None, :, None], axis=-1, dtype=jnp.int32)
-    bit = stream[None] - jnp.take_along_axis(start, channel, axis=-1)
-    levels = (jnp.left_shift(1, bits) - 1).astype(jnp.float32)
-    return levels, (channel, bit), (start, bits)
-
-
 class IntBLayersCodec(IntBLayersLayout, Codec):
     """INTB with one bit table per model layer (`IntBLayersLayout`): encode / unpack take the
     layer (int or traced int32 scalar) and read its table from the stacked tables
     [N, H, D], so one compiled function serves every layer."""
 
-    def _maps(self, layer):
+    @functools.cached_property
+    def _stacked_maps(self) -> tuple[np.ndarray, ...]:
+        """Every layer's static maps stacked on a leading layer axis [N, ...]: levels, stream
+        (channel, bit) and code (start, bits), as `IntBLayout` of that layer's table."""
+        per = [IntBLayout(table) for table in self.tables]
+        fields = zip(*((t.levels(), *t.stream_maps(), *t.code_starts()) for t in per), strict=True)
+        return tuple(np.stack(f) for f in fields)
+
+    def maps(self, layer):
+        """Layer `layer`'s (levels, (channel, bit), (start, bits)) (`IntBLayout`'s static maps
+        of its table), read from the stacked maps at a traced or static layer: one row slice
+        per call, no map arithmetic on the hot path."""
         if layer is None:
             raise ValueError(
                 f"layer: format {self.name!r} holds one INTB bit table per model layer "
                 f"({self.num_layers}); pass the layer (an int or an int32 scalar)"
             )
-        tables = jnp.asarray(np.asarray(self.tables, np.int32))
-        return table_maps(tables[jnp.asarray(layer, jnp.int32)], self.row_bytes)
+        index = jnp.asarray(layer, jnp.int32)
+        levels, channel, bit, start, bits = (jnp.asarray(a)[index] for a in self._stacked_maps)
+        return levels, (channel, bit), (start, bits)
 
     def encode(self, values, *, axis, group_size, layer=None) -> dict:
-        levels, stream, _ = self._maps(layer)
+        levels, stream, _ = self.maps(layer)
         return encode_with(values, axis, group_size, levels, stream)
 
     def unpack(self, packed, dtype, layer=None) -> jnp.ndarray:
-        return unpack_with(packed, dtype, self._maps(layer)[2])
+        return unpack_with(packed, dtype, self.maps(layer)[2])
 
 
 def register_layer_tables(tables) -> str:
