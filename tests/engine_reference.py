@@ -6,9 +6,11 @@ token attends in loop l is rebuilt from them with the public codec functions onl
 complete page of loop 0 is `unpack_kv(pack_kv(page))`, of loop l > 0
 `decode_residual(encode_residual(page, recon_{l-1}), recon_{l-1})` (the cache config's
 formats and groups of each loop, `PagedCacheConfig.loop_pack_args`; with `absolute=True` for
-a loop the config stores absolute); the partial page and the first `sink`
-rows are raw. Attention is float64 NumPy. No code is shared with the engine's stores, cache
-ops or kernels: only the model's layer pieces (`kvq_jax.models`).
+a loop the config stores absolute); a heavy-row format's page is
+`unpack_heavy(pack_heavy(page, select_heavy(key page, the layer's table)))` over its base
+format (per-layer INTB: the plain INTB format of the layer's table); the partial page and
+the first `sink` rows are raw. Attention is float64 NumPy. No code is shared with the
+engine's stores, cache ops or kernels: only the model's layer pieces (`kvq_jax.models`).
 
 Exits that skip loops (`skip=True`, Ouro): a token that exits after loop e keeps its hidden
 state, and in every later loop each layer's K/V rows of the token are its loop-e rows; a
@@ -23,7 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvq_jax.codecs.api import pack_kv, unpack_kv
+from kvq_jax.codecs.formats.intb import register_table
+from kvq_jax.codecs.heavy import pack_heavy, select_heavy, unpack_heavy
 from kvq_jax.codecs.residual import decode_residual, encode_residual
+from kvq_jax.core.registry import layout
 from kvq_jax.models import architecture, ouro
 
 
@@ -46,11 +51,31 @@ class _Plane:
         self.raw, self.exited, self.pages = [], [], []
 
 
-def _reconstruct(config, kind, loop, plane, below, page):
-    """Reconstruct complete page `page` of `plane` (loop `loop`; `below` the loop l - 1 plane)."""
+def _heavy_page(config, kind, loop, rows, keys, layer):
+    """A page [ps, H, D] of a heavy-row format (FORMAT.md 5a) through `select_heavy` (rows
+    chosen from the key page `keys` with model layer `layer`'s mean-query table) and
+    `pack_heavy` / `unpack_heavy` over the base format (a per-layer INTB base: the plain INTB
+    format of the layer's table)."""
+    fmt = layout(config.loop_format(kind, loop))
+    tables = layout(config.loop_format("key", loop)).tables
+    table = tables[layer] if tables.ndim == 4 else tables
+    chosen = select_heavy(jnp.asarray(keys), table, group_size=fmt.heavy_group)
+    base = register_table(fmt.base.tables[layer]) if fmt.base.per_layer else fmt.base.name
+    axis = config.loop_pack_args(kind, loop)["axis"]
+    packed = pack_heavy(jnp.asarray(rows), chosen, kind=kind, format=base,
+                        group_size=fmt.heavy_group, axis=axis)  # fmt: skip
+    return np.asarray(unpack_heavy(packed))
+
+
+def _reconstruct(config, kind, loop, plane, below, page, keys=None, layer=0):
+    """Reconstruct complete page `page` of `plane` (loop `loop`; `below` the loop l - 1 plane;
+    `keys`: the key plane of the same loop, for heavy rows; `layer`: the model layer)."""
     ps = config.page_size
     rows = np.stack(plane.raw[page * ps : (page + 1) * ps])
     args = config.loop_pack_args(kind, loop)
+    if hasattr(layout(args["format"]), "heavy_group"):  # a loop stored whole (no exits)
+        key_rows = np.stack(keys.raw[page * ps : (page + 1) * ps])
+        return _heavy_page(config, kind, loop, rows, key_rows, layer)
     if loop == 0:
         return np.asarray(unpack_kv(pack_kv(jnp.asarray(rows), **args)))
     prev = below.pages[page]
@@ -80,7 +105,8 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
                      forced=None, loop_kv="all"):  # fmt: skip
     """Greedy decode of `num_new` tokens after prompt `tokens` (or feed `forced`, num_new ids).
 
-    cache_config: the engine's `PagedCacheConfig` of a layer (None: the raw bf16 store);
+    cache_config: the engine's `PagedCacheConfig` of every layer, or a tuple of one per layer
+    (`Engine.cache_configs`: per-layer formats), or None (the raw bf16 store);
     loops: the loop count (None: the config's); loop_kv: "all", or "last" / "mean" (the
     prompt attends per loop, as its scratch holds it; a decode token at loop l attends to
     the earlier tokens' shared rows, stored as a one-plane cache, and to its own loop-l row;
@@ -96,9 +122,10 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
               for kind in ("key", "value")}  # fmt: skip
     shared = loop_kv != "all" and n_loops > 1
     shared_planes = {(i, kind): _Plane() for i in range(n_layers) for kind in ("key", "value")}
-    shared_config, loop_config = cache_config, cache_config
+    per_layer = cache_config if isinstance(cache_config, tuple) else (cache_config,) * n_layers
+    shared_configs, loop_configs = per_layer, per_layer
     if shared and cache_config is not None:  # the prompt's scratch keeps every loop
-        loop_config = dataclasses.replace(cache_config, num_loops=n_loops)
+        loop_configs = tuple(dataclasses.replace(c, num_loops=n_loops) for c in per_layer)
     ouro_exit = config.arch == "ouro"
     threshold = config.early_exit_threshold
     seq = list(tokens)
@@ -113,6 +140,7 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
         for loop in range(n_loops):
             for i in range(n_layers):
                 layer = arch.layer_params(params, i)
+                loop_config, shared_config = loop_configs[i], shared_configs[i]
                 q, k, v = arch.attention_inputs(layer, h, jnp.asarray([[pos]]), config)
                 if exited:
                     k, v = saved[i]
@@ -135,7 +163,16 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
                         page = pos // loop_config.page_size
                         below = planes[(i, loop - 1, kind)] if loop else None
                         plane.pages.append(
-                            _reconstruct(loop_config, kind, loop, plane, below, page)
+                            _reconstruct(
+                                loop_config,
+                                kind,
+                                loop,
+                                plane,
+                                below,
+                                page,
+                                planes[(i, loop, "key")],
+                                i,
+                            )
                         )
                 # the store is read after the append (the token's page may have just been
                 # quantized); prefill attends to the chunk's own rows raw
@@ -151,6 +188,7 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
                 h = arch.final_norm(params, h, config)
             if shared and loop == n_loops - 1:  # the token's shared rows, after its last loop
                 for i in range(n_layers):
+                    shared_config = shared_configs[i]
                     for c, kind in enumerate(("key", "value")):
                         xs = [kv[c] for kv in history[i]]
                         row = (
@@ -164,7 +202,16 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
                         if shared_config is not None and (pos + 1) % shared_config.page_size == 0:
                             page = pos // shared_config.page_size
                             plane.pages.append(
-                                _reconstruct(shared_config, kind, 0, plane, None, page)
+                                _reconstruct(
+                                    shared_config,
+                                    kind,
+                                    0,
+                                    plane,
+                                    None,
+                                    page,
+                                    shared_planes[(i, "key")],
+                                    i,
+                                )
                             )
             if exited:
                 continue

@@ -39,7 +39,7 @@ def _against_reference(model, policy, *, prompt_len=20, page_size=16, loops=None
     request = engine.add_request(prompt, max_new_tokens=17, keep_logits=True)
     engine.run()
     _, logits, exits = reference_decode(
-        model, prompt, 17, cache_config=engine.cache_config, loops=loops,
+        model, prompt, 17, cache_config=engine.cache_configs, loops=loops,
         skip=engine.skip_exited if reference_skip is None else reference_skip,
         forced=request.tokens, loop_kv=engine.loop_kv,
     )  # fmt: skip
@@ -83,6 +83,49 @@ def _groups_of_16(name: str):
     from kvq_jax.core.policies import POLICIES
 
     return dataclasses.replace(POLICIES[name], name=f"{name}-g16", group_size=16)
+
+
+def _heavy_policy(monkeypatch, tables):
+    """A heavy-row policy (FORMAT.md 5a: one INT8 row per 16 tokens and KV head) over INTB
+    keys with `tables` and HINT4 values, the tiny models' mean-query tables random."""
+    import ml_dtypes
+
+    from kvq_jax.core import calibration
+    from kvq_jax.core.policies import Policy
+
+    rng = np.random.default_rng(9)
+    queries = {i: rng.standard_normal((2, 2, 64)).astype(ml_dtypes.bfloat16) for i in tables}
+    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test", mean_query=queries)
+    monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
+    policy = Policy("heavy-g16", "intb", "intb", group_size=16, v_base_format="hint4",
+                    v_residual_format="hint4", key_tables="tiny-heavy", heavy=16)  # fmt: skip
+    return policy, np.stack([queries[i] for i in sorted(tables)])
+
+
+def test_heavy_rows_match_the_reference(tiny_llama, monkeypatch):
+    """Heavy-row pages through the engine (keys INTB with per-layer tables of one width, one
+    layer group; values HINT4; the rows chosen from each key page with the layer's mean-query
+    table): 16 decode steps against `select_heavy` / `pack_heavy` page by page."""
+    from kvq_jax.core.registry import layout
+
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((8, 1, 3) * 20 + (4, 4, 4, 4), (3, 5) * 32)}
+    policy, queries = _heavy_policy(monkeypatch, tables)
+    engine, _ = _against_reference(tiny_llama, policy)
+    assert engine.spec.groups == (2,)
+    keys, values = (layout(engine.cache_config.loop_format(k, 0)) for k in ("key", "value"))
+    assert keys.heavy_group == values.heavy_group == 16 and values.tables is None
+    assert keys.tables.tobytes() == queries.tobytes() and keys.base.tables == (tables[0], tables[1])
+    assert engine.calibration_bytes() == queries.nbytes + 2 * 2 * 64
+
+
+def test_heavy_rows_in_every_loop_match_the_reference(monkeypatch):
+    """2-loop Ouro, key tables of different widths (one format and layer group per layer):
+    every loop stored whole with rows chosen from that loop's keys."""
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    policy, _ = _heavy_policy(monkeypatch, tables)
+    engine, _ = _against_reference(tiny_model("ouro", seed=5, loops=2), policy)
+    assert engine.spec.groups == (1, 1)
+    assert engine.cache_configs[0].k_absolute == engine.cache_configs[0].v_absolute == (1,)
 
 
 def test_exits_across_absolute_loops_match_the_reference():

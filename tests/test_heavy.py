@@ -25,7 +25,7 @@ import kvq_jax as kq
 from kvq_jax import oracle
 from kvq_jax.codecs.heavy import heavy_kv, heavy_scores
 from kvq_jax.core import calibration
-from kvq_jax.core.policies import POLICIES, Policy
+from kvq_jax.core.policies import POLICIES, Policy, serving_support
 from kvq_jax.core.rope import rope_tables
 
 torch = pytest.importorskip("torch")
@@ -506,17 +506,20 @@ def test_hook_codes_heavy_rows_as_heavy_kv(monkeypatch, pre_rope):
             assert not torch.equal(rec["k_in"][b], rec["k_out"][b])
 
 
-def test_engine_refuses_heavy_policies():
+def test_engine_refuses_pre_rope_heavy_policies():
+    """Heavy rows are served (tests/test_heavy_pages.py, test_engine_reference.py); keys
+    stored before RoPE are not, and the refusal says why."""
     from kvq_jax.engine import engine
 
-    policy = POLICIES["intb-hint4-heavy-smollm2"]
-    with pytest.raises(ValueError, match="stores heavy rows"):
+    policy = POLICIES["intb-prerope-hint4-heavy-smollm2"]
+    with pytest.raises(ValueError, match="stores keys before RoPE"):
         engine.layer_policies(policy, model=None, num_loops=1)
-    with pytest.raises(ValueError, match="stores heavy rows"):
+    with pytest.raises(ValueError, match="stores keys before RoPE"):
         engine.cache_config_for(
             policy, num_pages=2, page_size=64, num_heads=3, head_dim=64, dtype="bfloat16",
             num_loops=1, max_seqs=1,
         )  # fmt: skip
+    assert serving_support(POLICIES["intb-hint4-heavy-smollm2"], num_loops=4)
 
 
 def test_rope_tables_and_both_stacks():

@@ -1,8 +1,9 @@
 """`serving_support`: the one answer to "can this policy be served, and if not, why".
 
-The expected sets below are written from the policy table by hand (which policies store heavy
-rows), not computed by the function under test. Absolute loops and per-loop residual formats
-are served (issue 24; their pages are checked in tests/test_paged_cache_loops.py).
+The expected sets below are written from the policy table by hand (which policies store keys
+before RoPE), not computed by the function under test. Absolute loops, per-loop residual
+formats and heavy rows are served (issue 24; their pages are checked in
+tests/test_paged_cache_loops.py and tests/test_heavy_pages.py).
 Every refusal (the engine, `cache_config_for`, `kvq generate`, `kvq report`) quotes it.
 """
 
@@ -17,7 +18,7 @@ from kvq_jax.core.policies import (
     serving_support,
 )
 
-HEAVY = {"intb-hint4-heavy-smollm2", "intb-prerope-hint4-heavy-smollm2"}
+PRE_ROPE = {"intb-prerope-hint4-heavy-smollm2"}
 
 
 def _with_win(names):
@@ -27,15 +28,15 @@ def _with_win(names):
 def test_which_policies_are_served():
     for loops in (1, 4, 6, None):
         refused = {name for name, p in POLICIES.items() if not serving_support(p, num_loops=loops)}
-        assert refused == _with_win(HEAVY), loops
+        assert refused == _with_win(PRE_ROPE), loops
 
 
 def test_reasons_name_the_policy_and_the_feature():
-    for name in _with_win(HEAVY):
+    for name in _with_win(PRE_ROPE):
         support = serving_support(POLICIES[name], num_loops=4)
         assert not support and support.served is False
         assert f"policy {name!r} is not served" in support.reason
-        assert "heavy rows" in support.reason
+        assert "stores keys before RoPE" in support.reason
         with pytest.raises(ValueError) as info:
             support.check()
         assert str(info.value) == support.reason
@@ -58,7 +59,7 @@ def test_default_report_rows_are_served_and_few():
 SHAPE = dict(num_pages=4, page_size=64, num_heads=2, head_dim=64, dtype="bfloat16", max_seqs=1)
 
 
-@pytest.mark.parametrize("name", sorted(HEAVY))
+@pytest.mark.parametrize("name", sorted(PRE_ROPE))
 def test_cache_config_and_engine_refuse_with_the_same_reason(name):
     from kvq_jax.engine import engine
 

@@ -42,6 +42,7 @@ from jax import lax
 from kvq_jax.codecs import cache_state
 from kvq_jax.codecs._numerics import subtract_in_dtype
 from kvq_jax.codecs.cache_state import PagedKVCache, at_layer, check_cache, init_cache
+from kvq_jax.codecs.registry import get_codec
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.containers import rest_dtype
@@ -156,9 +157,20 @@ def _when_any_page(complete, pack):
     return lax.platform_dependent(complete, cpu=cpu, default=lambda complete: pack())
 
 
-def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend) -> dict:
+def _heavy_rows(cache, pages, loop):
+    """The heavy rows uint8 [B * C, ps / G, H] of completed key pages [B * C, ps, H, D] when
+    the keys' format at `loop` chooses heavy rows (`HeavyLayout.selects_rows`: the values of
+    the same tokens take them), else None."""
+    codec = get_codec(cache.config.loop_pack_args("key", loop)["format"])
+    if not getattr(codec, "selects_rows", False):
+        return None
+    return jax.vmap(lambda page: codec.select_rows(page, cache.layer))(pages)
+
+
+def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend, rows=None) -> dict:
     """Quantize the completed buffer pages [B * C, ps, H, D] into the plane of K or V's loop
-    `loop`; returns the updated plane field ({field: value})."""
+    `loop`; returns the updated plane field ({field: value}). rows: the pages' heavy rows
+    (`_heavy_rows`), for heavy-row formats."""
     config = cache.config
     plane, level = cache.loop_plane(kind, loop)
     target = plan.target
@@ -182,7 +194,7 @@ def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend) -> dict:
             if exited_rows is not None:
                 kept = previous if absolute else jnp.zeros((), payload.dtype)
                 payload = jnp.where(exited_rows[:, :, None, None], kept, payload)
-        return page_pack.dispatch(payload, **args, backend=backend, layer=cache.layer)
+        return page_pack.dispatch(payload, **args, backend=backend, layer=cache.layer, rows=rows)
 
     packed = _when_any_page(target < config.num_pages, pack)
     index = target if level is None else (level, target)
@@ -220,12 +232,15 @@ def _append(cache, k, v, block_tables, seq_ids, exited, *, loop: int, backend: s
             cache.stage_exited, (loop, seq_ids), _last_page(buf, plan.fill), mode="drop"
         )
 
+    rows = None  # heavy rows: chosen from the key pages, used by the value pages too
     for kind, prefix, new in (("key", "k", k), ("value", "v", v)):
         stage = getattr(cache, f"{prefix}_stage")
         old = stage[loop].at[seq_ids].get(mode="fill", fill_value=0)
         buf = _buffer(old, new, plan.off, c)  # [B, C + 1, ps, H, D]
         pages = buf[:, :c].reshape(b * c, *config.page_shape)
-        updates.update(_store_pages(cache, kind, pages, exited_rows, plan, loop, backend))
+        if kind == "key":
+            rows = _heavy_rows(cache, pages, loop)
+        updates.update(_store_pages(cache, kind, pages, exited_rows, plan, loop, backend, rows))
         updates[f"{prefix}_stage"] = _set(
             stage, (loop, seq_ids), _last_page(buf, plan.fill), mode="drop"
         )

@@ -110,7 +110,14 @@ def empty_packed(config: PagedCacheConfig, pack_args: dict, batch: tuple[int, ..
     codec = get_codec(args.pop("format"))  # this stack must implement the format
     page = jax.ShapeDtypeStruct(config.page_shape, config.dtype)
     layer = 0 if codec.per_layer else None  # shapes are the same for every layer
-    shapes = jax.eval_shape(functools.partial(codec.pack, **args, **layer_arg(codec, layer)), page)
+    extra = layer_arg(codec, layer)
+    if hasattr(codec, "heavy_group"):  # heavy rows (any: the shapes do not depend on them)
+        extra["rows"] = jax.ShapeDtypeStruct((codec.num_groups(page.shape[0]), page.shape[1]),
+                                             jnp.uint8)  # fmt: skip
+        shapes = jax.eval_shape(lambda p, r: codec.pack(p, **args, **extra, rows=r), page,
+                                extra.pop("rows"))  # fmt: skip
+    else:
+        shapes = jax.eval_shape(functools.partial(codec.pack, **args, **extra), page)
     return jax.tree.map(lambda s: jnp.zeros((*batch, *s.shape), rest_dtype(s.dtype)), shapes)
 
 

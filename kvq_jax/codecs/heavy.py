@@ -80,9 +80,14 @@ def select_heavy(keys, table, *, group_size: int = HEAVY_DEFAULT_GROUP_SIZE) -> 
       the largest score (the first on ties).
     """
     keys, table = jnp.asarray(keys), jnp.asarray(table)
-    (t, h, d), _ = check_values(keys, "keys")
+    (_, h, d), _ = check_values(keys, "keys")
     check_heavy_table(table, h, d)
-    g = check_heavy_group_size(group_size)
+    return choose_rows(keys, table, check_heavy_group_size(group_size))
+
+
+def choose_rows(keys, table, g: int) -> jnp.ndarray:
+    """`select_heavy` of validated keys [T, H, D] and table [H, R, D] (traceable, unchecked)."""
+    t, h, _ = keys.shape
     n = num_heavy_groups(t, g)
     scores = jnp.pad(heavy_scores(keys, table), ((0, n * g - t), (0, 0)), constant_values=-jnp.inf)
     return jnp.argmax(scores.reshape(n, g, h), axis=1).astype(jnp.uint8)
@@ -93,13 +98,10 @@ def _group_lengths(t: int, g: int) -> np.ndarray:
     return np.minimum(g, t - g * np.arange(n)).astype(np.int32)
 
 
-def rest_sources(rows: jnp.ndarray, t: int, g: int) -> jnp.ndarray:
-    """int32 [T - nG, H]: the row of [0, T) each payload row holds (group g's rows without
-    rows[g, h], in order). rows: int32 [nG, H], already clamped."""
-    p = np.arange(t - rows.shape[0])
-    grp, j = p // (g - 1), p % (g - 1)
-    j = jnp.asarray(j, jnp.int32)[:, None]
-    return jnp.asarray(grp * g, jnp.int32)[:, None] + j + (j >= rows[grp]).astype(jnp.int32)
+def _by_group(x, rows: int, g: int) -> jnp.ndarray:
+    """[R, H, D] -> [rows / g, g, H, D], zero rows appended (R <= rows, g | rows)."""
+    x = jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0)))
+    return x.reshape(rows // g, g, *x.shape[1:])
 
 
 @functools.partial(
@@ -137,27 +139,46 @@ def pack_heavy(
     axis, _ = codec.resolve((max(t - num_heavy_groups(t, g), 0), h, d), kind, axis, None)
     base = heavy_base_group_size(axis, g, base_group_size)
     axis, base = codec.resolve((t, h, d), kind, axis, base)
+    rest, heavy = split_heavy(values, rows, g)
+    payload = codec.pack(rest, kind=kind, axis=axis, group_size=base)
+    return HeavyKV(
+        payload=payload,
+        rows=heavy["heavy_rows"],
+        codes=heavy["heavy_codes"],
+        minimum=heavy["heavy_minimum"],
+        scale=heavy["heavy_scale"],
+        group_size=g,
+        shape=(t, h, d),
+    )
+
+
+def split_heavy(values, rows, g: int) -> tuple[jnp.ndarray, dict]:
+    """Validated values [T, H, D] and rows [ceil(T/G), H] (clamped to each group's length) ->
+    (the T - nG other rows [T - nG, H, D] in order, {heavy_rows, heavy_codes, heavy_minimum,
+    heavy_scale}: the heavy rows INT8 (FORMAT.md 5a)). Traceable."""
+    t, _, d = values.shape
+    n = rows.shape[0]
     last = jnp.asarray(_group_lengths(t, g) - 1)[:, None]
     rows = jnp.minimum(rows.astype(jnp.int32), last)
-    rest = jnp.take_along_axis(values, rest_sources(rows, t, g)[:, :, None], axis=0)
-    payload = codec.pack(rest, kind=kind, axis=axis, group_size=base)
-    starts = jnp.asarray(g * np.arange(rows.shape[0]), jnp.int32)[:, None]
-    heavy = jnp.take_along_axis(values, (starts + rows)[:, :, None], axis=0)  # [nG, H, D]
+    # Payload row j of group k is row j of the group before its heavy row, row j + 1 after:
+    # two shifted views and a select (exact; no per-element gather).
+    x = _by_group(values, n * g, g)  # [nG, G, H, D]
+    j = jnp.arange(g - 1)[None, :, None, None]
+    rest = jnp.where(j < rows[:, None, :, None], x[:, :-1], x[:, 1:])
+    rest = rest.reshape(n * (g - 1), *values.shape[1:])[: t - n]
+    heavy = jnp.take_along_axis(x, rows[:, None, :, None], axis=1)[:, 0]  # [nG, H, D]
     layout = _grouping.GroupLayout(heavy.shape, "channels", d)
     mn, mx, finite = group_range(layout, heavy)
     codes, minimum, scale = quantize_groups(
         layout.split(widen(heavy), 0.0), mn, mx, finite, HEAVY_LEVELS
     )
     m = layout.member_axis
-    return HeavyKV(
-        payload=payload,
-        rows=rows.astype(jnp.uint8),
-        codes=layout.merge(codes),
-        minimum=minimum.squeeze(m)[..., 0],
-        scale=scale.squeeze(m)[..., 0],
-        group_size=g,
-        shape=(t, h, d),
-    )
+    return rest, {
+        "heavy_rows": rows.astype(jnp.uint8),
+        "heavy_codes": layout.merge(codes),
+        "heavy_minimum": minimum.squeeze(m)[..., 0],
+        "heavy_scale": scale.squeeze(m)[..., 0],
+    }
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
@@ -166,27 +187,45 @@ def unpack_heavy(packed: HeavyKV, dtype=None) -> jnp.ndarray:
     if not isinstance(packed, HeavyKV):
         raise TypeError(f"packed must be a HeavyKV, got {type(packed).__name__}")
     dtype = np.dtype(packed.dtype if dtype is None else check_float_dtype(dtype, "dtype"))
-    t, h, d = packed.shape
-    g = packed.group_size
     rest = get_codec(packed.payload.format).unpack(packed.payload, np.dtype(np.float32))
-    layout = _grouping.GroupLayout((packed.rows.shape[0], h, d), "channels", d)
-    heavy = layout.merge(
+    heavy = {"heavy_rows": packed.rows, "heavy_codes": packed.codes,
+             "heavy_minimum": packed.minimum, "heavy_scale": packed.scale}  # fmt: skip
+    return merge_heavy(rest, heavy, packed.shape, packed.group_size).astype(dtype)
+
+
+def heavy_rows_decoded(heavy: dict, h: int, d: int) -> jnp.ndarray:
+    """float32 [nG, H, D]: the INT8 decode of the heavy rows (`split_heavy`'s dict)."""
+    layout = _grouping.GroupLayout((heavy["heavy_rows"].shape[0], h, d), "channels", d)
+    return layout.merge(
         dequantize_groups(
-            layout.split(packed.codes, 0),
-            packed.minimum[..., None],
-            packed.scale[..., None],
+            layout.split(heavy["heavy_codes"], 0),
+            heavy["heavy_minimum"][..., None],
+            heavy["heavy_scale"][..., None],
             layout.member_axis,
         )
     )
-    tok = np.arange(t)
-    grp, i = tok // g, jnp.asarray(tok % g, jnp.int32)[:, None]
-    r = packed.rows.astype(jnp.int32)[grp]  # [T, H]
-    p = jnp.asarray(grp * (g - 1), jnp.int32)[:, None] + i - (i > r).astype(jnp.int32)
-    p = jnp.clip(p, 0, max(rest.shape[0] - 1, 0))
-    from_rest = jnp.take_along_axis(rest, p[:, :, None], axis=0) if rest.shape[0] else rest
-    from_heavy = heavy[grp]
-    out = jnp.where((i == r)[:, :, None], from_heavy, from_rest) if t else from_heavy
-    return out.astype(dtype)
+
+
+def merge_heavy(rest, heavy: dict, shape, g: int, heavy_map=None) -> jnp.ndarray:
+    """float32 [T, H, D]: the decoded other rows `rest` [T - nG, H, D] (float32) with the INT8
+    decode of the heavy rows (`split_heavy`'s dict; `heavy_map` of it when given, e.g. a
+    rotation) put back at their places. Traceable."""
+    t, h, d = shape
+    rows = heavy["heavy_rows"]
+    decoded = heavy_rows_decoded(heavy, h, d)
+    if heavy_map is not None:
+        decoded = heavy_map(decoded)
+    n = rows.shape[0]
+    if not t:
+        return decoded[:0]
+    # Row i of group k: payload row i before the heavy row, i - 1 after it (shifted views).
+    x = _by_group(rest, n * (g - 1), g - 1)  # [nG, G - 1, H, D]
+    zero = jnp.zeros_like(x[:, :1])
+    before, after = jnp.concatenate([x, zero], axis=1), jnp.concatenate([zero, x], axis=1)
+    i = jnp.arange(g)[None, :, None, None]
+    r = rows.astype(jnp.int32)[:, None, :, None]
+    out = jnp.where(i < r, before, jnp.where(i == r, decoded[:, None], after))
+    return out.reshape(n * g, h, d)[:t]
 
 
 def heavy_kv(keys, values, table, *, key_format, value_format, group_size, window=None, rope=None):

@@ -29,14 +29,18 @@ def resolve_paged(format: str, kind: str, page_shape, axis, group_size) -> tuple
     """
     layout = registry.layout(format)
     page_size = page_shape[0]
+    rows = layout.page_rows(page_size)
     axis, resolved = layout.resolve(page_shape, kind, axis, group_size)
     free = group_size is None and not layout.fixed_group_size
-    if axis == "tokens" and page_size % resolved and free:
-        resolved = math.gcd(resolved, page_size)
-    if axis == "tokens" and page_size % resolved:
+    if axis == "tokens" and rows % resolved and free:
+        resolved = math.gcd(resolved, rows)
+    if axis == "tokens" and rows % resolved:
         raise ValueError(
             f"group_size {resolved} must divide page_size {page_size} for token-axis "
             f"groups: a group may not span two pages (pick a divisor of {page_size})"
+            if rows == page_size
+            else f"group_size {resolved} must divide the {rows} rows of a page that format "
+            f"{format!r} packs outside its heavy rows"
         )
     return axis, resolved
 
@@ -106,6 +110,39 @@ class PagedCacheConfig:
         for kind in ("key", "value"):
             for loop in range(max(self.num_loops, 2)):
                 self.loop_pack_args(kind, loop)  # raises for a group size that does not fit
+        for loop in range(self.num_loops):
+            self._check_heavy(loop)
+
+    def _check_heavy(self, loop: int) -> None:
+        """Heavy-row formats (`HeavyLayout`) are stored in loops stored whole (a delta has no
+        rows of its own), without adaptive exits; the keys choose the rows (a mean-query
+        table) and heavy-row values take them (the same heavy group)."""
+        k_lay, v_lay = (registry.layout(self.loop_format(kind, loop)) for kind in ("key", "value"))
+        for kind, lay in (("key", k_lay), ("value", v_lay)):
+            if not hasattr(lay, "heavy_group"):
+                continue
+            prefix = _PREFIX[kind]
+            field = f"{prefix}_base_format" if loop == 0 else f"{prefix}_residual_format"
+            where = f"PagedCacheConfig.{field}: heavy-row format {lay.name!r} in loop {loop}"
+            if loop and loop not in self.absolute_loops(kind):
+                raise ValueError(
+                    f"{where}, a delta loop: heavy rows are stored in loops stored whole "
+                    f"(loop 0, or a loop in {prefix}_absolute)"
+                )
+            if self.adaptive_exit:
+                raise ValueError(f"{where}: heavy rows are not served with adaptive_exit")
+            if kind == "key" and not lay.selects_rows:
+                raise ValueError(f"{where}: the keys choose the heavy rows, so their format "
+                                 "needs a mean-query table")  # fmt: skip
+        if hasattr(v_lay, "heavy_group"):
+            ok = getattr(k_lay, "selects_rows", False) and k_lay.heavy_group == v_lay.heavy_group
+            if not ok:
+                raise ValueError(
+                    f"PagedCacheConfig.v_base_format / v_residual_format: heavy-row values "
+                    f"({v_lay.name!r}, loop {loop}) take the rows chosen from their keys: the "
+                    f"keys' format there must choose rows of the same heavy group, got "
+                    f"{k_lay.name!r}"
+                )
 
     def _normalize_loops(self, prefix: str) -> None:
         """Residual formats: a str, or a tuple of num_loops - 1 names (one repeated name: that

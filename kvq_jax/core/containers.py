@@ -17,7 +17,10 @@ import numpy as np
 from kvq_jax.core.window import Window
 
 #: Array fields a PackedKV may hold; each format uses a subset (its layout's array_fields).
-ARRAY_FIELDS = ("codes", "minimum", "scale", "block_scale", "global_scale")
+ARRAY_FIELDS = (
+    "codes", "minimum", "scale", "block_scale", "global_scale",
+    "heavy_rows", "heavy_codes", "heavy_minimum", "heavy_scale",
+)  # fmt: skip
 #: Static (hashable) metadata fields of a PackedKV.
 META_FIELDS = ("format", "kind", "axis", "group_size", "shape", "dtype")
 
@@ -52,6 +55,9 @@ class PackedKVBase:
       nvfp4:    codes uint8 [T, H, ceil(D/2)], block_scale float8_e4m3fn [metadata shape],
                 global_scale float32 []
       fp8_e4m3: codes float8_e4m3fn [T, H, D], scale float32 [T, H]
+      heavy rows (`kvq_jax.core.layouts.HeavyLayout`, FORMAT.md 5a): the base format's fields
+                for the T - nG other rows, and heavy_rows uint8 [nG, H], heavy_codes uint8
+                [nG, H, D], heavy_minimum / heavy_scale float16 [nG, H] (nG = ceil(T/G))
     metadata shape: [ceil(T/G), H, D] for axis "tokens", [T, H, ceil(D/G)] for "channels".
     Under `jax.vmap`, paging or stacking the arrays gain leading batch axes; the static
     metadata stays per example.
@@ -62,6 +68,10 @@ class PackedKVBase:
     scale: Any = None
     block_scale: Any = None
     global_scale: Any = None
+    heavy_rows: Any = None
+    heavy_codes: Any = None
+    heavy_minimum: Any = None
+    heavy_scale: Any = None
     format: str
     kind: str
     axis: str

@@ -79,6 +79,11 @@ class FormatLayout:
         """{field: (shape, numpy dtype)} of every array a packed tensor of this format holds."""
         raise NotImplementedError
 
+    def page_rows(self, page_size: int) -> int:
+        """Rows of a page that this format's token groups span (`resolve_paged`: token-axis
+        groups must divide it); the page itself except for heavy rows (`HeavyLayout`)."""
+        return page_size
+
     def metadata_shapes(self, shape, axis: str, group_size: int) -> dict[str, tuple]:
         """{field: shape} of the metadata arrays (every array but codes)."""
         shapes = self.array_shapes(shape, axis, group_size)
@@ -353,6 +358,84 @@ class HInt2Layout(HadamardLayout):
 
 
 #: The built-in formats' layouts (each stack registers codecs that derive from these).
+#: The array fields a heavy-row format adds to its base format's (FORMAT.md 5a).
+HEAVY_FIELDS = ("heavy_rows", "heavy_codes", "heavy_minimum", "heavy_scale")
+
+
+class HeavyLayout(FormatLayout):
+    """Heavy rows (FORMAT.md 5a) as a format: one INT8 row per group of `heavy_group` tokens
+    and KV head, the other rows in the `base` format (its fields describe those T - nG rows;
+    `HEAVY_FIELDS` hold the heavy rows). axis / group_size are the base's, for the payload
+    (tokens: G - 1 by default, one payload group per heavy group).
+
+    tables: None (the rows are handed in: values take the rows chosen from their keys), a
+    bfloat16 mean-query table [H, R, D] or one per model layer [N, H, R, D] (`per_layer`):
+    the format then chooses its rows from the values it packs (keys). The tables are part of
+    the name (a SHA-256 prefix), as INTB's bit tables are.
+    """
+
+    def __init__(self, base: FormatLayout, heavy_group: int, tables=None, name: str | None = None):
+        from kvq_jax.core.heavy import check_heavy_group_size
+
+        if not isinstance(base, FormatLayout) or isinstance(base, HeavyLayout):
+            raise TypeError(f"base must be a non-heavy FormatLayout, got {type(base).__name__}")
+        self.base = base
+        self.heavy_group = check_heavy_group_size(heavy_group)
+        self.tables = None
+        tag = ""
+        if tables is not None:
+            table = np.asarray(tables)
+            if table.dtype != np.dtype(ml_dtypes.bfloat16) or table.ndim not in (3, 4):
+                raise TypeError(
+                    "tables must be a bfloat16 mean-query table [H, R, D] or one per layer "
+                    f"[N, H, R, D], got {table.dtype} {table.shape}"
+                )
+            self.tables = table
+            digest = hashlib.sha256(np.asarray(table.shape, np.int64).tobytes() + table.tobytes())
+            tag = "-" + digest.hexdigest()[:12]
+        self.name = name or f"heavy{self.heavy_group}-{base.name}{tag}"
+        self.array_fields = tuple(base.array_fields) + HEAVY_FIELDS
+        self.default_group_size = base.default_group_size
+        self.fixed_group_size = base.fixed_group_size
+        self.per_layer = base.per_layer or (self.tables is not None and self.tables.ndim == 4)
+
+    @property
+    def selects_rows(self) -> bool:
+        """True when the format chooses its rows itself (it holds a mean-query table)."""
+        return self.tables is not None
+
+    def num_groups(self, tokens: int) -> int:
+        return -(-tokens // self.heavy_group)
+
+    def resolve(self, shape, kind: str, axis: str | None, group_size: int | None):
+        t, h, d = shape
+        rest = (t - self.num_groups(t), h, d)
+        axis, _ = self.base.resolve(rest, kind, axis, None)
+        if group_size is None and axis == "tokens":
+            group_size = self.heavy_group - 1
+        return self.base.resolve(rest, kind, axis, group_size)
+
+    def page_rows(self, page_size: int) -> int:
+        if page_size % self.heavy_group:
+            raise ValueError(
+                f"page_size {page_size} must be a multiple of format {self.name!r}'s heavy "
+                f"group {self.heavy_group} (a page holds whole heavy groups)"
+            )
+        return page_size - page_size // self.heavy_group
+
+    def array_shapes(self, shape, axis, group_size):
+        t, h, d = shape
+        n = self.num_groups(t)
+        shapes = dict(self.base.array_shapes((t - n, h, d), axis, group_size))
+        shapes.update(
+            heavy_rows=((n, h), _U8),
+            heavy_codes=((n, h, d), _U8),
+            heavy_minimum=((n, h), _F16),
+            heavy_scale=((n, h), _F16),
+        )
+        return shapes
+
+
 BUILTIN_LAYOUTS: dict[str, FormatLayout] = {
     layout.name: layout
     for layout in (

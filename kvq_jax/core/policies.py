@@ -158,6 +158,21 @@ class Policy:
             rope_theta=None if rope_theta is None else float(rope_theta),
         )
 
+    def with_heavy_formats(self, key_format: str, value_format: str, num_loops: int) -> Policy:
+        """This heavy policy as the paged cache serves it at `num_loops` loops: keys in the
+        heavy-row format `key_format` (it holds the mean-query tables and chooses the rows),
+        values in `value_format` (heavy rows over the values' base format, taking the keys'
+        rows), every loop stored whole; the formats carry the heavy rows, so the result has
+        no `heavy` / `key_tables` of its own (FORMAT.md 5a; `kvq_jax.core.layouts.HeavyLayout`)."""
+        if self.heavy is None:
+            raise ValueError(f"policy {self.name!r} stores no heavy rows")
+        loops = tuple(range(1, num_loops))
+        return dataclasses.replace(
+            self, base_format=key_format, residual_format=key_format, group_size=None,
+            v_base_format=value_format, v_residual_format=value_format, absolute=loops,
+            v_absolute=loops, key_tables=None, heavy=None, heavy_table=None,
+        )  # fmt: skip
+
     @property
     def quantized(self) -> bool:
         return self.base_format != "bf16"
@@ -414,11 +429,11 @@ def serving_support(policy: Policy, *, num_loops: int | None = None) -> ServingS
     if num_loops is not None and num_loops < 1:
         raise ValueError(f"num_loops must be >= 1, got {num_loops}")
     not_served = f"policy {policy.name!r} is not served by the paged cache and the engine: "
-    if policy.heavy is not None:
+    if policy.pre_rope:
         return ServingSupport(
             False,
-            not_served + "it stores heavy rows (Policy.heavy) and the paged cache has no "
-            "heavy-row pages yet; kvq_jax.pack_heavy and kvq report run it",
+            not_served + "it stores keys before RoPE (Policy.pre_rope) and the paged cache "
+            "holds the keys the model hands over (RoPE applied); kvq report runs it",
         )
     return ServingSupport(True)
 

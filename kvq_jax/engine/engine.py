@@ -133,10 +133,32 @@ def layer_policies(policy: Policy, model, num_loops: int | None = None) -> tuple
     tables.check_fit(policy.name, [name], num_layers, num_kv_heads=c.num_kv_heads,
                      head_dim=c.head_dim, rope_theta=c.rope_theta)  # fmt: skip
     bits = [tables.table(layer) for layer in range(num_layers)]
-    if policy.heavy is None and len({sum(t[0]) for t in bits}) == 1:
+    one_width = len({sum(t[0]) for t in bits}) == 1
+    if policy.heavy is not None:
+        return _heavy_policies(policy, tables, bits, one_width, num_loops)
+    if one_width:
         key_format = register_layer_tables(bits)
         return (policy.for_key_format(key_format, None, tables.rope_theta),) * num_layers
     return per_layer_policies(policy, tables, range(num_layers), register_table)
+
+
+def _heavy_policies(policy, tables, bits, one_width: bool, num_loops: int):
+    """A heavy policy's layers: keys in a heavy-row format over the INTB format of the key
+    tables holding the mean-query tables (one format for every layer when the tables share
+    a row width, the layer traced; else one per layer), values in heavy rows over the
+    policy's value base format (`Policy.with_heavy_formats`)."""
+    from kvq_jax.codecs.formats.heavy_rows import register_heavy
+    from kvq_jax.codecs.formats.intb import register_layer_tables, register_table
+
+    layers = range(len(bits))
+    queries = [np.asarray(tables.heavy_table(policy.name, layer)) for layer in layers]
+    value_format = register_heavy(policy.formats("value")[0], policy.heavy)
+    if one_width:
+        key_format = register_heavy(register_layer_tables(bits), policy.heavy, np.stack(queries))
+        return (policy.with_heavy_formats(key_format, value_format, num_loops),) * len(bits)
+    keys = [register_heavy(register_table(bits[layer]), policy.heavy, queries[layer])
+            for layer in layers]  # fmt: skip
+    return tuple(policy.with_heavy_formats(k, value_format, num_loops) for k in keys)
 
 
 # -- requests and the engine -----------------------------------------------------------------
@@ -400,7 +422,8 @@ class Engine:
     def calibration_bytes(self) -> int:
         """Bytes of per-model calibration data the cache formats carry, counted once per model
         (not per token): an INTB bit table is one byte per (layer, head, channel) width
-        (FORMAT.md 2b); 0 for formats without tables."""
+        (FORMAT.md 2b), a heavy-row mean-query table two per (layer, head, query, channel)
+        (5a); 0 for formats without tables."""
         if self.cache_configs is None:
             return 0
         names = {f for c in set(self.cache_configs) for kind in ("key", "value")
@@ -408,6 +431,9 @@ class Engine:
         total = 0
         for name in names:
             fmt = layout(name)
+            if hasattr(fmt, "heavy_group"):  # heavy rows: mean-query tables (bfloat16)
+                total += 0 if fmt.tables is None else fmt.tables.nbytes
+                fmt = fmt.base
             tables = fmt.tables if fmt.per_layer else (getattr(fmt, "bits", None),)
             total += sum(len(t) * len(t[0]) for t in tables if t is not None)
         return total

@@ -81,10 +81,15 @@ REFUSED_DTYPES = {
 }
 
 
+#: why the Torch serving cache refuses a heavy-row policy the JAX paged cache serves
+HEAVY_REFUSAL = ("heavy rows are served by kvq_jax's paged cache and engine; this Torch cache "
+                 "has no heavy-row pages")  # fmt: skip
+
+
 def _served_policies() -> dict[str, str]:
     names = {}
     for name, policy in POLICIES.items():
-        if not policy.quantized or policy.window is not None:
+        if not policy.quantized or policy.window is not None or policy.heavy is not None:
             continue
         uniform = all(len(set(policy.loop_formats(kind, 4))) == 1 for kind in ("key", "value"))
         if uniform and serving_support(policy, num_loops=1).served:
@@ -117,6 +122,8 @@ def policy_for_kv_cache_dtype(kv_cache_dtype: str) -> Policy | None:
         why = ""
         if policy is not None and policy.window is not None:
             why = " (raw window rows need per-sequence state this slot-mapped cache does not keep)"
+        elif policy is not None and policy.heavy is not None and not policy.pre_rope:
+            why = f" ({HEAVY_REFUSAL})"
         elif policy is not None:
             why = f" ({serving_support(policy, num_loops=1).reason or 'not served here'})"
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not served{why}; known: "

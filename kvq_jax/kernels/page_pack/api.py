@@ -81,15 +81,16 @@ def config_support(
 
 def dispatch(
     pages, *, kind: str, format: str, group_size: int, axis: str, backend: str, launch=None,
-    layer=None,
+    layer=None, rows=None,
 ):  # fmt: skip
     """`pack_paged` for validated pages and resolved (axis, group_size): picks the backend
-    and runs it (traceable)."""
+    and runs it (traceable). rows: the heavy rows of each page for a heavy-row format that
+    takes them (`xla.pack_paged`; the kernel declines heavy-row formats)."""
     page_shape = tuple(pages.shape[1:])
     impl = _backend.resolve_backend(backend, _reason(page_shape, format, axis, group_size))
     if impl == "xla" or pages.shape[0] == 0:  # nothing to launch for zero pages
         return xla.pack_paged(pages, kind=kind, format=format, group_size=group_size, axis=axis,
-                              layer=layer)  # fmt: skip
+                              layer=layer, rows=rows)  # fmt: skip
     if launch is None:
         launch = _launch.page_pack(page_shape[0], page_shape[2], format)
     return pallas_triton.pack_paged(

@@ -13,13 +13,16 @@ from kvq_jax.core.codec_base import layer_arg
 
 
 def pack_paged(pages, *, kind: str, format: str, group_size: int, axis: str,
-               layer=None) -> PackedKV:  # fmt: skip
+               layer=None, rows=None) -> PackedKV:  # fmt: skip
     """Pack validated pages [P, page_size, H, D] (axis and group_size resolved) page by page:
     a PackedKV whose arrays carry a leading page axis. layer: the model layer of a format with
-    one table per layer (int or int32 scalar; ignored by the others)."""
+    one table per layer (int or int32 scalar; ignored by the others). rows: uint8
+    [P, page_size / G, H], each page's heavy rows for a heavy-row format that takes them
+    (values: those chosen from the keys), else None."""
     codec = get_codec(format)
-
     args = dict(kind=kind, axis=axis, group_size=group_size, **layer_arg(codec, layer))
+    if rows is not None and hasattr(codec, "heavy_group"):
+        return jax.vmap(lambda page, r: codec.pack(page, **args, rows=r))(pages, rows)
 
     def one(page):
         return codec.pack(page, **args)

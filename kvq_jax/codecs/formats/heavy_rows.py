@@ -1,0 +1,162 @@
+"""Heavy rows as a format (FORMAT.md 5a; `kvq_jax.core.layouts.HeavyLayout`): what the paged
+cache stores per page for a heavy-row policy.
+
+`HeavyCodec(base, G, tables)` packs [T, H, D] rows as `kvq_jax.pack_heavy` does (the same
+bytes: one INT8 row per G tokens and head, the other rows in the base codec), into one
+`PackedKV` (the base's fields for the other rows, `HEAVY_FIELDS` for the heavy ones). A codec
+with a mean-query table (keys) chooses its rows itself (`select_heavy`; a table per model
+layer: the layer's, traced); one without (values) takes `rows`, those chosen from its keys.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvq_jax.codecs.codec import Codec
+from kvq_jax.codecs.heavy import choose_rows, heavy_rows_decoded, merge_heavy, split_heavy
+from kvq_jax.codecs.packed import PackedKV
+from kvq_jax.core.codec_base import layer_arg
+from kvq_jax.core.heavy import check_heavy_rows
+from kvq_jax.core.layouts import HEAVY_FIELDS, HeavyLayout
+
+__all__ = ["HeavyCodec", "register_heavy"]
+
+
+class HeavyCodec(HeavyLayout, Codec):
+    """Heavy rows over `base` (a JAX codec). pack(..., layer, rows): `rows` uint8 [nG, H]
+    (None: chosen from the values with the format's table, which it must then hold)."""
+
+    def __init__(self, base: Codec, heavy_group: int, tables=None, name: str | None = None):
+        super().__init__(base, heavy_group, tables, name)
+        self.base_codec = base
+
+    def select_rows(self, keys, layer=None) -> jnp.ndarray:
+        """uint8 [ceil(T/G), H]: the heavy row of each group of keys [T, H, D] (FORMAT.md 5a)
+        under the format's table (the layer's, for a table per layer)."""
+        if self.tables is None:
+            raise ValueError(
+                f"format {self.name!r} holds no mean-query table: pass rows (those chosen "
+                "from the keys of the same tokens)"
+            )
+        table = jnp.asarray(self.tables)
+        if table.ndim == 4:
+            if layer is None:
+                raise ValueError(
+                    f"layer: format {self.name!r} holds one mean-query table per model layer "
+                    f"({table.shape[0]}); pass the layer (an int or an int32 scalar)"
+                )
+            table = table[jnp.asarray(layer, jnp.int32)]
+        return choose_rows(keys, table, self.heavy_group)
+
+    def pack(self, values, *, kind, axis, group_size, layer=None, rows=None) -> PackedKV:
+        t, h, _ = values.shape
+        if rows is None:
+            rows = self.select_rows(values, layer)
+        check_heavy_rows(rows, t, h, self.heavy_group)
+        rest, heavy = split_heavy(values, rows, self.heavy_group)
+        base = self.base_codec
+        payload = base.pack(rest, kind=kind, axis=axis, group_size=group_size,
+                            **layer_arg(base, layer))  # fmt: skip
+        return self._packed(
+            {**payload.arrays, **heavy}, kind=kind, axis=axis, group_size=group_size,
+            shape=values.shape, dtype=values.dtype,
+        )  # fmt: skip
+
+    @property
+    def rotated_space(self) -> bool:
+        """Over a Hadamard-rotated base (HINT), attention may read `unpack_rotated`."""
+        return getattr(self.base_codec, "rotated_space", False)
+
+    def _payload(self, packed) -> PackedKV:
+        t, h, d = packed.shape
+        base = self.base_codec
+        return PackedKV(
+            **{f: getattr(packed, f) for f in base.array_fields}, format=base.name,
+            kind=packed.kind, axis=packed.axis, group_size=packed.group_size,
+            shape=(t - self.num_groups(t), h, d), dtype=packed.dtype,
+        )  # fmt: skip
+
+    def _spread(self, packed) -> PackedKV | None:
+        """The payload as a base-format tensor of all T rows: each payload array with a row
+        axis gets a filler row at each heavy row's place (a copy of a neighbour), token groups
+        of G - 1 payload rows become groups of G, so the base decodes the T rows in one pass
+        and the heavy rows overwrite the fillers: the same values as decoding the payload and
+        merging (every row decodes on its own, with its group's metadata), without shifting
+        decoded rows (XLA:CPU fuses an INTB decode into each shifted view: 2x slower). Token
+        groups of G - 1 rows only (the metadata is then one entry per heavy group); None
+        otherwise, or for a last group of one row."""
+        t, h, d = packed.shape
+        g, n = self.heavy_group, self.num_groups(t)
+        tokens = packed.axis == "tokens"
+        if not tokens or packed.group_size != g - 1 or t % g == 1:
+            return None
+        rows = packed.heavy_rows.astype(jnp.int32)  # [nG, H]
+        fields = {}
+        for f in self.base_codec.array_fields:
+            a = getattr(packed, f)
+            if f == "codes":
+                fields[f] = _spread_rows(a, rows, n, g, t)
+            else:
+                fields[f] = a
+        return PackedKV(
+            **fields, format=self.base_codec.name, kind=packed.kind, axis=packed.axis,
+            group_size=g, shape=(t, h, d), dtype=packed.dtype,
+        )  # fmt: skip
+
+    def _decode(self, packed, decode, heavy_map=None) -> jnp.ndarray:
+        """float32 [T, H, D]: `decode` (a base data path to float32) of the payload, with the
+        heavy rows' INT8 decode (`heavy_map` of it) in their places."""
+        heavy = {f: getattr(packed, f) for f in HEAVY_FIELDS}
+        spread = self._spread(packed)
+        if spread is None:
+            return merge_heavy(decode(self._payload(packed)), heavy, packed.shape,
+                               self.heavy_group, heavy_map)  # fmt: skip
+        t, h, d = packed.shape
+        g, n = self.heavy_group, self.num_groups(t)
+        decoded = heavy_rows_decoded(heavy, h, d)
+        decoded = decoded if heavy_map is None else heavy_map(decoded)
+        full = jnp.pad(decode(spread), ((0, n * g - t), (0, 0), (0, 0))).reshape(n, g, h, d)
+        i = jnp.arange(g)[None, :, None, None]
+        r = heavy["heavy_rows"].astype(jnp.int32)[:, None, :, None]
+        return jnp.where(i == r, decoded[:, None], full).reshape(n * g, h, d)[:t]
+
+    def unpack(self, packed, dtype, layer=None) -> jnp.ndarray:
+        base = self.base_codec
+
+        def decode(p):
+            return base.unpack(p, np.dtype(np.float32), **layer_arg(base, layer))
+
+        return self._decode(packed, decode).astype(dtype)
+
+    def unpack_rotated(self, packed) -> jnp.ndarray:
+        """float32 [T, H, D] in the base's rotated space (`rotated_space` only): the payload's
+        `unpack_rotated`, the heavy rows' INT8 decode rotated (`unrotate` of this is `unpack`
+        before the cast, up to rounding)."""
+        from kvq_jax.codecs.formats.hadamard import rotate
+
+        return self._decode(packed, self.base_codec.unpack_rotated, heavy_map=rotate)
+
+
+def _spread_rows(a, rows, n: int, g: int, t: int) -> jnp.ndarray:
+    """[T - nG, H, ...] payload rows -> [T, H, ...]: group k's rows with a filler (a copy of a
+    neighbour) inserted at rows[k, h] for each head h."""
+    x = jnp.pad(a, ((0, n * (g - 1) - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
+    x = x.reshape(n, g - 1, *a.shape[1:])
+    before = jnp.concatenate([x, x[:, -1:]], axis=1)  # row i of the group, i < rows
+    after = jnp.concatenate([x[:, :1], x], axis=1)  # row i - 1, i >= rows
+    i = jnp.arange(g).reshape(1, g, *([1] * (a.ndim - 1)))
+    r = rows.reshape(n, 1, rows.shape[1], *([1] * (a.ndim - 2)))
+    return jnp.where(i < r, before, after).reshape(n * g, *a.shape[1:])[:t]
+
+
+def register_heavy(base: str, heavy_group: int, tables=None) -> str:
+    """Register the heavy-row format over registered format `base` (with mean-query
+    `tables`: None, [H, R, D] or [N, H, R, D] bfloat16) in the JAX registry unless a codec of
+    that name is there already; returns its name."""
+    from kvq_jax.codecs.registry import CODECS, get_codec, register_codec
+
+    codec = HeavyCodec(get_codec(base), heavy_group, tables)
+    if codec.name not in CODECS:
+        register_codec(codec)
+    return codec.name
