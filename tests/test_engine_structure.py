@@ -186,11 +186,15 @@ def _scan_lengths(jaxpr) -> list[int]:
     return out
 
 
-def test_per_layer_key_tables_scan_the_layers_once(monkeypatch):
-    """A policy with per-layer INTB key tables (one row width): the decode step runs each loop's
-    layers as one scan over all of them (the layer a traced index into the stacked tables; one
-    compiled layer body, not one per layer) and touches the pool only in place; tables of
-    different widths fall back to one group per layer (scans of length 1, the check fails)."""
+@pytest.mark.parametrize("heavy", [None, 16])
+def test_per_layer_key_tables_scan_the_layers_once(monkeypatch, heavy):
+    """A policy with per-layer INTB key tables (one row width), with heavy rows or not: the
+    decode step runs each loop's layers as one scan over all of them (the layer a traced index
+    into the stacked tables; one compiled layer body, not one per layer) and touches the pool
+    only in place (heavy-row fields included); tables of different widths fall back to one
+    group per layer (scans of length 1, the check fails)."""
+    import ml_dtypes
+
     from kvq_jax.core import calibration
     from kvq_jax.core.policies import Policy
 
@@ -199,10 +203,11 @@ def test_per_layer_key_tables_scan_the_layers_once(monkeypatch):
     rng = np.random.default_rng(0)
     tables = {i: tuple(tuple(int(b) for b in rng.permutation((2, 6) * 32)) for _ in range(2))
               for i in range(layers)}  # fmt: skip
-    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test")
+    queries = {i: rng.standard_normal((2, 2, 64)).astype(ml_dtypes.bfloat16) for i in tables}
+    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test", mean_query=queries)
     monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
     policy = Policy("kt", "intb", "intb", group_size=16, v_base_format="hint4",
-                    v_residual_format="hint4", key_tables="tiny-tables")  # fmt: skip
+                    v_residual_format="hint4", key_tables="tiny-tables", heavy=heavy)  # fmt: skip
     engine = _engine(model, policy, POOL, max_seqs=2, max_pages_per_seq=8)
     assert engine.spec.groups == (layers,)
     s = jax.ShapeDtypeStruct
@@ -214,3 +219,5 @@ def test_per_layer_key_tables_scan_the_layers_once(monkeypatch):
     lengths = _scan_lengths(jaxpr.jaxpr)
     assert lengths.count(layers) == loops and 1 not in lengths, lengths
     assert _pool_copies(engine, "decode", None) == []
+    if heavy:
+        assert engine.cache_config.k_base_format.startswith("heavy16-intb-layers-")
