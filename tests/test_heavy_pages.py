@@ -86,6 +86,8 @@ def test_codec_errors(formats):
     layered, _, values = formats
     with pytest.raises(ValueError, match=r"layer: format .* one mean-query table per model layer"):
         pack_kv(K[0, 0, :64], kind="key", format=layered)
+    with pytest.raises(ValueError, match="mean-query tables are for H = 2, D = 16; got H = 1"):
+        pack_kv(K[0, 0, :64, :1], kind="key", format=layered, layer=0)
     with pytest.raises(ValueError, match="holds no mean-query table: pass rows"):
         pack_kv(V[0, 0, :64], kind="value", format=values)
     with pytest.raises(TypeError, match="tables must be a bfloat16"):

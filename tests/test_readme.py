@@ -60,15 +60,19 @@ def test_demo_prints_every_format(argv, capsys):
     from kvq_jax import CODECS
     from kvq_jax.cli import commands as cli
     from kvq_jax.cli.demo import fits
-    from kvq_jax.codecs.formats.intb import register_table
+    from kvq_jax.codecs.formats.heavy_rows import register_heavy
+    from kvq_jax.codecs.formats.intb import register_layer_tables, register_table
 
-    # an INTB format registered for another model's shape is listed as not run, not an error
-    other = register_table(((4,) * 8,) * 2)
+    # formats that cannot pack the demo tensor on their own are listed as not run, not an
+    # error: an INTB format of another model's shape, one table per layer, heavy-row values
+    others = [register_table(((4,) * 8,) * 2), register_layer_tables([((4,) * 8,) * 2] * 2),
+              register_heavy("hint4", 16)]  # fmt: skip
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     fitting = [f for f in CODECS if fits(f, "key")]
     (not_run,) = [line for line in out.splitlines() if line.startswith("Not run (registered")]
-    assert other not in fitting and other in not_run.split(": ", 1)[1].split(", ")
+    for other in others:
+        assert other not in fitting and other in not_run.split(": ", 1)[1].split(", ")
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in ([f] for f in fitting)]
     assert len(rows) == 2 * len(fitting) and len(fitting) >= 4
     bits = {(r[0], r[1]): float(r[4]) for r in rows}

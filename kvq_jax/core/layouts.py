@@ -409,6 +409,11 @@ class HeavyLayout(FormatLayout):
 
     def resolve(self, shape, kind: str, axis: str | None, group_size: int | None):
         t, h, d = shape
+        if self.tables is not None and (self.tables.shape[-3], self.tables.shape[-1]) != (h, d):
+            raise ValueError(
+                f"values: format {self.name!r}'s mean-query tables are for H = "
+                f"{self.tables.shape[-3]}, D = {self.tables.shape[-1]}; got H = {h}, D = {d}"
+            )
         rest = (t - self.num_groups(t), h, d)
         axis, _ = self.base.resolve(rest, kind, axis, None)
         if group_size is None and axis == "tokens":
