@@ -8,9 +8,12 @@ complete page of loop 0 is `unpack_kv(pack_kv(page))`, of loop l > 0
 formats and groups of each loop, `PagedCacheConfig.loop_pack_args`; with `absolute=True` for
 a loop the config stores absolute); a heavy-row format's page is
 `unpack_heavy(pack_heavy(page, select_heavy(key page, the layer's table)))` over its base
-format (per-layer INTB: the plain INTB format of the layer's table); the partial page and
-the first `sink` rows are raw. Attention is float64 NumPy. No code is shared with the
-engine's stores, cache ops or kernels: only the model's layer pieces (`kvq_jax.models`).
+format (per-layer INTB: the plain INTB format of the layer's table); a cache storing keys
+before RoPE (`rope_theta`) packs `invert_rope` of each key page at its positions (heavy
+rows still chosen from the RoPE'd keys), chains loops in that space and attends
+`apply_rope` of the reconstruction; the partial page and the first `sink` rows are raw.
+Attention is float64 NumPy. No code is shared with the engine's stores, cache ops or
+kernels: only the model's layer pieces (`kvq_jax.models`).
 
 Exits that skip loops (`skip=True`, Ouro): a token that exits after loop e keeps its hidden
 state, and in every later loop each layer's K/V rows of the token are its loop-e rows; a
@@ -28,7 +31,9 @@ from kvq_jax.codecs.api import pack_kv, unpack_kv
 from kvq_jax.codecs.formats.intb import register_table
 from kvq_jax.codecs.heavy import pack_heavy, select_heavy, unpack_heavy
 from kvq_jax.codecs.residual import decode_residual, encode_residual
+from kvq_jax.codecs.rope import apply_rope, invert_rope
 from kvq_jax.core.registry import layout
+from kvq_jax.core.rope import rope_tables
 from kvq_jax.models import architecture, ouro
 
 
@@ -49,6 +54,24 @@ class _Plane:
 
     def __init__(self):
         self.raw, self.exited, self.pages = [], [], []
+        self.stored = []  # the pages as stored (keys before RoPE in a pre-RoPE cache)
+
+    def add_page(self, config, kind, page, stored):
+        """Page `page` reconstructed as stored; attended with RoPE back where it was taken off."""
+        self.stored.append(stored)
+        self.pages.append(_turn(config, kind, stored, page, invert=False))
+
+
+def _turn(config, kind, rows, page, *, invert):
+    """Key rows [ps, H, D] of page `page` of a cache storing keys before RoPE, RoPE taken off
+    (`invert_rope`) or put back (`apply_rope`) at positions page * ps .., in the rows' dtype
+    (FORMAT.md 5b); other rows as they are."""
+    if kind != "key" or config.rope_theta is None:
+        return rows
+    ps = config.page_size
+    cos, sin = rope_tables(ps, config.head_dim, config.rope_theta, offset=page * ps)
+    turn = invert_rope if invert else apply_rope
+    return np.asarray(turn(jnp.asarray(rows), cos, sin)).astype(rows.dtype)
 
 
 def _heavy_page(config, kind, loop, rows, keys, layer):
@@ -69,16 +92,18 @@ def _heavy_page(config, kind, loop, rows, keys, layer):
 
 def _reconstruct(config, kind, loop, plane, below, page, keys=None, layer=0):
     """Reconstruct complete page `page` of `plane` (loop `loop`; `below` the loop l - 1 plane;
-    `keys`: the key plane of the same loop, for heavy rows; `layer`: the model layer)."""
+    `keys`: the key plane of the same loop, for heavy rows; `layer`: the model layer), as
+    stored (a pre-RoPE cache's keys before RoPE)."""
     ps = config.page_size
-    rows = np.stack(plane.raw[page * ps : (page + 1) * ps])
+    raw = np.stack(plane.raw[page * ps : (page + 1) * ps])
+    rows = _turn(config, kind, raw, page, invert=True)
     args = config.loop_pack_args(kind, loop)
     if hasattr(layout(args["format"]), "heavy_group"):  # a loop stored whole (no exits)
-        key_rows = np.stack(keys.raw[page * ps : (page + 1) * ps])
+        key_rows = np.stack(keys.raw[page * ps : (page + 1) * ps])  # RoPE'd: they choose
         return _heavy_page(config, kind, loop, rows, key_rows, layer)
     if loop == 0:
         return np.asarray(unpack_kv(pack_kv(jnp.asarray(rows), **args)))
-    prev = below.pages[page]
+    prev = below.stored[page]
     exited = np.asarray(plane.exited[page * ps : (page + 1) * ps])[:, None, None]
     current = np.where(exited, prev, rows)  # an exited row's delta is zero ...
     absolute = loop in config.absolute_loops(kind)  # packed on its own (no exits then)
@@ -162,18 +187,9 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
                     if loop_config is not None and (pos + 1) % loop_config.page_size == 0:
                         page = pos // loop_config.page_size
                         below = planes[(i, loop - 1, kind)] if loop else None
-                        plane.pages.append(
-                            _reconstruct(
-                                loop_config,
-                                kind,
-                                loop,
-                                plane,
-                                below,
-                                page,
-                                planes[(i, loop, "key")],
-                                i,
-                            )
-                        )
+                        stored = _reconstruct(loop_config, kind, loop, plane, below, page,
+                                              planes[(i, loop, "key")], i)  # fmt: skip
+                        plane.add_page(loop_config, kind, page, stored)
                 # the store is read after the append (the token's page may have just been
                 # quantized); prefill attends to the chunk's own rows raw
                 keys = _rows(loop_config, planes[(i, loop, "key")], pos + 1, pos + 1)
@@ -201,18 +217,9 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
                         plane.exited.append(False)
                         if shared_config is not None and (pos + 1) % shared_config.page_size == 0:
                             page = pos // shared_config.page_size
-                            plane.pages.append(
-                                _reconstruct(
-                                    shared_config,
-                                    kind,
-                                    0,
-                                    plane,
-                                    None,
-                                    page,
-                                    shared_planes[(i, "key")],
-                                    i,
-                                )
-                            )
+                            stored = _reconstruct(shared_config, kind, 0, plane, None, page,
+                                                  shared_planes[(i, "key")], i)  # fmt: skip
+                            plane.add_page(shared_config, kind, page, stored)
             if exited:
                 continue
             if ouro_exit:

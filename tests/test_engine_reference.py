@@ -85,9 +85,10 @@ def _groups_of_16(name: str):
     return dataclasses.replace(POLICIES[name], name=f"{name}-g16", group_size=16)
 
 
-def _heavy_policy(monkeypatch, tables):
+def _heavy_policy(monkeypatch, tables, rope_theta=None):
     """A heavy-row policy (FORMAT.md 5a: one INT8 row per 16 tokens and KV head) over INTB
-    keys with `tables` and HINT4 values, the tiny models' mean-query tables random."""
+    keys with `tables` and HINT4 values, the tiny models' mean-query tables random; with
+    `rope_theta`, keys stored before RoPE (FORMAT.md 5b)."""
     import ml_dtypes
 
     from kvq_jax.core import calibration
@@ -95,10 +96,12 @@ def _heavy_policy(monkeypatch, tables):
 
     rng = np.random.default_rng(9)
     queries = {i: rng.standard_normal((2, 2, 64)).astype(ml_dtypes.bfloat16) for i in tables}
-    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test", mean_query=queries)
+    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test", mean_query=queries,
+                                       rope_theta=rope_theta)  # fmt: skip
     monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
     policy = Policy("heavy-g16", "intb", "intb", group_size=16, v_base_format="hint4",
-                    v_residual_format="hint4", key_tables="tiny-heavy", heavy=16)  # fmt: skip
+                    v_residual_format="hint4", key_tables="tiny-heavy", heavy=16,
+                    pre_rope=rope_theta is not None)  # fmt: skip
     return policy, np.stack([queries[i] for i in sorted(tables)])
 
 
@@ -126,6 +129,24 @@ def test_heavy_rows_in_every_loop_match_the_reference(monkeypatch):
     engine, _ = _against_reference(tiny_model("ouro", seed=5, loops=2), policy)
     assert engine.spec.groups == (1, 1)
     assert engine.cache_configs[0].k_absolute == engine.cache_configs[0].v_absolute == (1,)
+
+
+def test_keys_before_rope_match_the_reference(monkeypatch):
+    """Keys stored before RoPE (FORMAT.md 5b) with heavy rows, 2-loop Ouro: each key page packs
+    `invert_rope` at its positions, rows chosen from the RoPE'd keys, and is attended with
+    RoPE put back; 16 decode steps against the page-by-page reference. The comparison can
+    fail: a reference that packs the keys as handed over (the planted defect) is off by far
+    more than the tolerance."""
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    model = tiny_model("ouro", seed=5, loops=2)
+    policy, _ = _heavy_policy(monkeypatch, tables, rope_theta=model.config.rope_theta)
+    engine, request = _against_reference(model, policy)
+    assert {c.rope_theta for c in engine.cache_configs} == {model.config.rope_theta}
+    # planted defect: the reference stores the keys as handed over (no RoPE taken off)
+    configs = tuple(dataclasses.replace(c, rope_theta=None) for c in engine.cache_configs)
+    _, logits, _ = reference_decode(model, prompt_of(20, seed=4), 17, cache_config=configs,
+                                    forced=request.tokens)  # fmt: skip
+    assert np.abs(np.stack(request.logits) - logits).max() > 10 * REFERENCE_TOL
 
 
 def test_exits_across_absolute_loops_match_the_reference():

@@ -506,20 +506,19 @@ def test_hook_codes_heavy_rows_as_heavy_kv(monkeypatch, pre_rope):
             assert not torch.equal(rec["k_in"][b], rec["k_out"][b])
 
 
-def test_engine_refuses_pre_rope_heavy_policies():
-    """Heavy rows are served (tests/test_heavy_pages.py, test_engine_reference.py); keys
-    stored before RoPE are not, and the refusal says why."""
+def test_pre_rope_heavy_policies_are_served_per_layer():
+    """Heavy rows and keys before RoPE are served (tests/test_heavy_pages.py,
+    test_pre_rope_pages.py, test_engine_reference.py) through each layer's policy: the
+    policy with key tables itself has no cache configuration."""
     from kvq_jax.engine import engine
 
     policy = POLICIES["intb-prerope-hint4-heavy-smollm2"]
-    with pytest.raises(ValueError, match="stores keys before RoPE"):
-        engine.layer_policies(policy, model=None, num_loops=1)
-    with pytest.raises(ValueError, match="stores keys before RoPE"):
+    assert serving_support(policy, num_loops=4) and serving_support(policy, num_loops=1)
+    with pytest.raises(ValueError, match="take one layer's policy"):
         engine.cache_config_for(
             policy, num_pages=2, page_size=64, num_heads=3, head_dim=64, dtype="bfloat16",
             num_loops=1, max_seqs=1,
         )  # fmt: skip
-    assert serving_support(POLICIES["intb-hint4-heavy-smollm2"], num_loops=4)
 
 
 def test_rope_tables_and_both_stacks():

@@ -1,10 +1,10 @@
 """`serving_support`: the one answer to "can this policy be served, and if not, why".
 
-The expected sets below are written from the policy table by hand (which policies store keys
-before RoPE), not computed by the function under test. Absolute loops, per-loop residual
-formats and heavy rows are served (issue 24; their pages are checked in
-tests/test_paged_cache_loops.py and tests/test_heavy_pages.py).
-Every refusal (the engine, `cache_config_for`, `kvq generate`, `kvq report`) quotes it.
+The expected sets below are written from the policy table by hand, not computed by the
+function under test. Absolute loops, per-loop residual formats, heavy rows and keys before
+RoPE are served (issue 24; their pages are checked in tests/test_paged_cache_loops.py,
+tests/test_heavy_pages.py and tests/test_pre_rope_pages.py). Every refusal (the engine,
+`cache_config_for`, `kvq generate`, `kvq report`) quotes it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvq_jax.core.policies import (
 )
 
 PRE_ROPE = {"intb-prerope-hint4-heavy-smollm2"}
+SHAPE = dict(num_pages=4, page_size=64, num_heads=2, head_dim=64, dtype="bfloat16", max_seqs=1)
 
 
 def _with_win(names):
@@ -26,20 +27,29 @@ def _with_win(names):
 
 
 def test_which_policies_are_served():
+    """Every policy of the table is served (keys before RoPE too, since issue 24)."""
     for loops in (1, 4, 6, None):
         refused = {name for name, p in POLICIES.items() if not serving_support(p, num_loops=loops)}
-        assert refused == _with_win(PRE_ROPE), loops
+        assert refused == set(), loops
 
 
-def test_reasons_name_the_policy_and_the_feature():
+def test_pre_rope_policies_carry_their_base_into_the_cache_config():
+    """A pre-RoPE policy as served (`with_heavy_formats`) stores its keys before RoPE with its
+    tables' base (`PagedCacheConfig.rope_theta`); it needs that base, and a RoPE'd policy
+    refuses one."""
     for name in _with_win(PRE_ROPE):
-        support = serving_support(POLICIES[name], num_loops=4)
-        assert not support and support.served is False
-        assert f"policy {name!r} is not served" in support.reason
-        assert "stores keys before RoPE" in support.reason
-        with pytest.raises(ValueError) as info:
-            support.check()
-        assert str(info.value) == support.reason
+        policy = POLICIES[name]
+        served = policy.with_heavy_formats("int4", "int4", 4, rope_theta=1e5)
+        assert not served.pre_rope and served.rope_theta == 1e5 and served.heavy is None
+        config = cache_config_for(served, num_loops=4, **SHAPE)
+        assert config.rope_theta == 1e5 and config.k_absolute == (1, 2, 3)
+        with pytest.raises(ValueError, match="stores keys before RoPE: give its tables' base"):
+            policy.with_heavy_formats("int4", "int4", 4)
+    plain = POLICIES["intb-hint4-heavy-smollm2"]
+    assert cache_config_for(plain.with_heavy_formats("int4", "int4", 1), num_loops=1,
+                            **SHAPE).rope_theta is None  # fmt: skip
+    with pytest.raises(ValueError, match="stores RoPE'd keys: give no RoPE base"):
+        plain.with_heavy_formats("int4", "int4", 1, rope_theta=1e5)
 
 
 def test_bad_num_loops():
@@ -54,23 +64,6 @@ def test_default_report_rows_are_served_and_few():
     for name in DEFAULT_REPORT:
         for loops in (1, 4):
             assert serving_support(POLICIES[name], num_loops=loops), name
-
-
-SHAPE = dict(num_pages=4, page_size=64, num_heads=2, head_dim=64, dtype="bfloat16", max_seqs=1)
-
-
-@pytest.mark.parametrize("name", sorted(PRE_ROPE))
-def test_cache_config_and_engine_refuse_with_the_same_reason(name):
-    from kvq_jax.engine import engine
-
-    policy = POLICIES[name]
-    reason = serving_support(policy, num_loops=4).reason
-    with pytest.raises(ValueError) as info:
-        cache_config_for(policy, num_loops=4, **SHAPE)
-    assert str(info.value) == reason
-    with pytest.raises(ValueError) as info:
-        engine.layer_policies(policy, model=None, num_loops=4)
-    assert str(info.value) == reason
 
 
 def test_served_policies_get_a_cache_config():

@@ -263,7 +263,7 @@ def test_kv_cache_dtype_names():
         allocate_kv_cache("int5", 4, BS, H, D)
     with pytest.raises(ValueError, match="this Torch cache has no heavy-row pages"):
         allocate_kv_cache("kvq:intb-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0)
-    with pytest.raises(ValueError, match="stores keys before RoPE"):
+    with pytest.raises(ValueError, match="this Torch cache has no heavy-row pages"):
         allocate_kv_cache("intb-prerope-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0)
     with pytest.raises(ValueError, match="num_blocks must be"):
         allocate_kv_cache("int4", 0, BS, H, D)

@@ -119,6 +119,7 @@ class _Plan:
     off: jax.Array  # [B] rows already in the partial page
     fill: jax.Array  # [B] rows in the buffer
     target: jax.Array  # [B * C]
+    logical: jax.Array  # [B * C] the logical page (of its sequence) of each buffer page
     num_complete: int  # C
 
 
@@ -132,7 +133,7 @@ def _plan(config, start, n, tables, seq_ids) -> _Plan:
     logical = (start // ps)[:, None] + j[None]
     phys = tables.at[seq_ids[:, None], logical].get(mode="fill", fill_value=-1)
     valid = complete & (phys >= 0) & (phys < num_pages)
-    return _Plan(off, fill, jnp.where(valid, phys, num_pages).reshape(-1), c)
+    return _Plan(off, fill, jnp.where(valid, phys, num_pages).reshape(-1), logical.reshape(-1), c)
 
 
 def _last_page(buf, fill):
@@ -178,9 +179,13 @@ def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend, rows=None
     absolute = loop in config.absolute_loops(kind)
 
     def pack():
+        stored = pages
+        if kind == "key":  # a pre-RoPE cache packs the keys with RoPE taken off
+            positions = plan.logical[:, None] * config.page_size + jnp.arange(config.page_size)
+            stored = cache_state.rope_keys(config, pages, positions, invert=True)
         if loop == 0 or (absolute and exited_rows is None):
             # Loop 0, or a loop stored absolute: the page itself (`encode_residual(absolute=True)`).
-            payload = pages
+            payload = stored
         else:
             previous = page_reconstruct.dispatch(
                 cache, kind, jnp.clip(target, 0, config.num_pages - 1), loop=loop - 1,
@@ -190,7 +195,7 @@ def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend, rows=None
             # page; a row that exited keeps its previous loop (`depth`): its delta is stored as
             # zero, and in an absolute loop the row packed is its previous loop (read back
             # through `depth`).
-            payload = pages if absolute else subtract_in_dtype(pages, previous)
+            payload = stored if absolute else subtract_in_dtype(stored, previous)
             if exited_rows is not None:
                 kept = previous if absolute else jnp.zeros((), payload.dtype)
                 payload = jnp.where(exited_rows[:, :, None, None], kept, payload)

@@ -34,7 +34,8 @@ logical page i is physical page `block_tables[seq, i]` in every loop plane. Ever
 own buffer, so a cache can be donated to a jitted update (`kvq_jax.cache.paged_cache`).
 
 `sequence_rows` is the XLA building block of every read: the rows a sequence attends in one
-loop, from its decoded pages, its staging page and its sink rows.
+loop, from its decoded pages, its staging page and its sink rows. `rope_keys` turns the keys
+of a pre-RoPE cache (`PagedCacheConfig.rope_theta`) between the stored and the served space.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.codecs.registry import get_codec
+from kvq_jax.codecs.rope import apply_rope, invert_rope, rope_at
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.codec_base import layer_arg
 from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, plane_fields, rest_dtype
@@ -64,6 +66,7 @@ __all__ = [
     "head_shardings",
     "init_cache",
     "planes",
+    "rope_keys",
 ]
 
 
@@ -197,6 +200,18 @@ def head_shardings(cache: PagedKVCache, mesh, axis: str):
     return dataclasses.replace(cache, **out)
 
 
+def rope_keys(config: PagedCacheConfig, rows, positions, *, invert: bool = False):
+    """Key rows [..., T, H, D] of a cache storing keys before RoPE (`config.rope_theta`), at
+    int positions broadcasting against [..., T]: RoPE applied (FORMAT.md 5b's arithmetic,
+    `apply_rope`), or with invert=True taken off (`invert_rope`, what a page packs), in the
+    cache dtype. Rows as they are when the cache stores the keys as handed over."""
+    if config.rope_theta is None:
+        return rows
+    cos, sin = rope_at(positions, config.head_dim, config.rope_theta)
+    turn = invert_rope if invert else apply_rope
+    return turn(rows, cos, sin).astype(config.dtype)
+
+
 def sequence_rows(config, decoded, stage, sink, stored, length):
     """The rows one sequence attends: [M * page_size, H, D] in the cache dtype.
 
@@ -236,7 +251,8 @@ def read_batch(cache: PagedKVCache, rows, seq_lens, seq_ids, *, loop: int, decod
     rows: int32 [B, M] the sequences' block-table rows (`table_rows`; ids are clamped to
     [0, num_pages)); seq_lens: int32 [B]; seq_ids: int32 [B] their slots, whose staging, sink
     rows and stored length are read as XLA indexing reads them. decode(kind, page_ids [N]) ->
-    [N, page_size, H, D] is the page decoder to use (the XLA reference or a kernel).
+    [N, page_size, H, D] is the page decoder to use (the XLA reference or a kernel). Keys
+    of a pre-RoPE cache come back with RoPE (`rope_keys`).
     """
     config = cache.config
     b, m = rows.shape
@@ -249,7 +265,10 @@ def read_batch(cache: PagedKVCache, rows, seq_lens, seq_ids, *, loop: int, decod
         ("key", cache.k_stage, cache.k_sink),
         ("value", cache.v_stage, cache.v_sink),
     ):
-        pages = decode(kind, page_ids).reshape(b, m, *config.page_shape)
+        pages = decode(kind, page_ids).reshape(b, m * config.page_size, *config.page_shape[1:])
+        if kind == "key":  # stored before RoPE: turned at each row's position in its sequence
+            pages = rope_keys(config, pages, jnp.arange(m * config.page_size))
+        pages = pages.reshape(b, m, *config.page_shape)
         stage_rows, sink_rows = stage[loop][seq_ids], sink[loop][seq_ids]
         out.append(one(pages, stage_rows, sink_rows, stored, jnp.asarray(seq_lens)))
     return tuple(out)

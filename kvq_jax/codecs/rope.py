@@ -32,3 +32,17 @@ def apply_rope(x, cos, sin):
 def invert_rope(x, cos, sin):
     """The inverse rotation: x * cos - rotate_half(x) * sin, float32."""
     return _rotate(x.astype(jnp.float32), cos, sin, -1.0)
+
+
+def rope_at(positions, dim: int, theta: float):
+    """(cos, sin) float32 [..., 1, D] of int positions [...] (traced): the numbers of
+    `kvq_jax.core.rope.rope_tables` (the binary64 angle position * theta^(-2c/D), its binary64
+    cos / sin rounded once to float32), computed on the device for positions known only
+    there (a paged cache's rows)."""
+    if dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got D={dim}")
+    inv = float(theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    with jax.enable_x64(True):
+        angle = jnp.asarray(positions).astype(np.float64)[..., None] * jnp.asarray(inv)
+        cos, sin = (f(angle).astype(np.float32) for f in (jnp.cos, jnp.sin))
+    return tuple(jnp.concatenate([a, a], axis=-1)[..., None, :] for a in (cos, sin))

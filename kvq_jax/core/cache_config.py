@@ -65,6 +65,14 @@ class PagedCacheConfig:
     adaptive exits a row that exited earlier is packed there as its reconstructed previous
     loop and read as its exit loop (`depth`). Per-loop formats and absolute loops are served by
     the XLA path (`per_loop`).
+
+    `rope_theta`: keys stored before RoPE (FORMAT.md 5b) with this base, or None (the keys as
+    handed over). The cache is handed RoPE'd keys, as the model makes them; a key page that
+    completes packs `invert_rope` of its rows at their positions in the sequence (row i of
+    logical page j: position j * page_size + i; heavy rows are still chosen from the RoPE'd
+    rows), and every read of a key page (`gather`, decode attention) re-applies RoPE at the
+    same positions after decoding. Raw rows (staging, sink) keep the keys as handed over.
+    `decode_pages` returns the stored (pre-RoPE) pages.
     """
 
     num_pages: int
@@ -84,6 +92,7 @@ class PagedCacheConfig:
     adaptive_exit: bool = False
     k_absolute: tuple[int, ...] = ()
     v_absolute: tuple[int, ...] = ()
+    rope_theta: float | None = None
 
     def __post_init__(self):
         for name in (*_INT_FIELDS, "sink"):
@@ -96,6 +105,18 @@ class PagedCacheConfig:
             raise ValueError(
                 f"PagedCacheConfig.adaptive_exit must be a bool, got {self.adaptive_exit!r}"
             )
+        if self.rope_theta is not None:
+            theta = self.rope_theta
+            if isinstance(theta, bool) or not isinstance(theta, int | float):
+                raise ValueError(f"PagedCacheConfig.rope_theta must be a float or None, "
+                                 f"got {theta!r}")  # fmt: skip
+            if not (math.isfinite(theta) and theta > 0):
+                raise ValueError(f"PagedCacheConfig.rope_theta must be positive and finite, "
+                                 f"got {theta!r}")  # fmt: skip
+            if self.head_dim % 2:
+                raise ValueError(f"PagedCacheConfig.rope_theta: RoPE needs an even head_dim, "
+                                 f"got {self.head_dim}")  # fmt: skip
+            object.__setattr__(self, "rope_theta", float(theta))
         if self.num_loops > 255:
             raise ValueError(f"PagedCacheConfig.num_loops must be <= 255, got {self.num_loops}")
         for prefix in ("k", "v"):

@@ -107,11 +107,12 @@ def check_arrays(config: PagedCacheConfig, arrays: dict) -> None:
 
 
 def config_metadata(config: PagedCacheConfig) -> str:
-    """The configuration as JSON (field -> value, dtype by name; no absolute loops: no
-    `k_absolute` / `v_absolute` entry, as in files written before those fields existed)."""
+    """The configuration as JSON (field -> value, dtype by name; fields added later are left out
+    at their defaults (no absolute loops, keys as handed over), as in files written before
+    they existed)."""
     fields = dataclasses.asdict(config)
     fields["dtype"] = str(np.dtype(config.dtype))
-    for name in ("k_absolute", "v_absolute"):
+    for name in ("k_absolute", "v_absolute", "rope_theta"):
         if not fields[name]:
             del fields[name]
     return json.dumps(fields, sort_keys=True)

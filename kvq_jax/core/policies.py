@@ -158,19 +158,32 @@ class Policy:
             rope_theta=None if rope_theta is None else float(rope_theta),
         )
 
-    def with_heavy_formats(self, key_format: str, value_format: str, num_loops: int) -> Policy:
+    def with_heavy_formats(self, key_format: str, value_format: str, num_loops: int,
+                           rope_theta: float | None = None) -> Policy:  # fmt: skip
         """This heavy policy as the paged cache serves it at `num_loops` loops: keys in the
         heavy-row format `key_format` (it holds the mean-query tables and chooses the rows),
         values in `value_format` (heavy rows over the values' base format, taking the keys'
-        rows), every loop stored whole; the formats carry the heavy rows, so the result has
-        no `heavy` / `key_tables` of its own (FORMAT.md 5a; `kvq_jax.core.layouts.HeavyLayout`)."""
+        rows), every loop stored whole, and for a pre_rope policy the keys stored before RoPE
+        with base `rope_theta` (its tables'); the formats carry the heavy rows, so the result
+        has no `heavy` / `key_tables` of its own (FORMAT.md 5a, 5b;
+        `kvq_jax.core.layouts.HeavyLayout`, `PagedCacheConfig.rope_theta`)."""
         if self.heavy is None:
             raise ValueError(f"policy {self.name!r} stores no heavy rows")
+        if self.pre_rope != (rope_theta is not None):
+            raise ValueError(
+                f"rope_theta: policy {self.name!r} "
+                + (
+                    "stores keys before RoPE: give its tables' base"
+                    if self.pre_rope
+                    else "stores RoPE'd keys: give no RoPE base"
+                )
+            )
         loops = tuple(range(1, num_loops))
         return dataclasses.replace(
             self, base_format=key_format, residual_format=key_format, group_size=None,
             v_base_format=value_format, v_residual_format=value_format, absolute=loops,
-            v_absolute=loops, key_tables=None, heavy=None, heavy_table=None,
+            v_absolute=loops, key_tables=None, heavy=None, heavy_table=None, pre_rope=False,
+            rope_theta=None if rope_theta is None else float(rope_theta),
         )  # fmt: skip
 
     @property
@@ -420,21 +433,15 @@ def serving_support(policy: Policy, *, num_loops: int | None = None) -> ServingS
 
     num_loops: the model's loop count, or None (any). The one answer every refusal quotes:
     the engine, `kvq generate`, `kvq report` (its default rows are the served policies) and
-    `cache_config_for`. Per-layer key tables (`Policy.key_tables`), per-loop formats and
-    absolute loops are served (the last two by the XLA path: the kernels decline them); whether
-    a table set fits a model is checked where the model is known (`KeyTables.check_fit`).
+    `cache_config_for`. Every policy of the registry is served now: per-layer key tables
+    (`Policy.key_tables`), heavy rows, keys before RoPE, per-loop formats and absolute loops
+    (the last four by the XLA path: the kernels decline them); whether a table set fits a
+    model is checked where the model is known (`KeyTables.check_fit`).
     """
     if isinstance(num_loops, bool) or not (num_loops is None or isinstance(num_loops, int)):
         raise TypeError(f"num_loops must be an int or None, got {num_loops!r}")
     if num_loops is not None and num_loops < 1:
         raise ValueError(f"num_loops must be >= 1, got {num_loops}")
-    not_served = f"policy {policy.name!r} is not served by the paged cache and the engine: "
-    if policy.pre_rope:
-        return ServingSupport(
-            False,
-            not_served + "it stores keys before RoPE (Policy.pre_rope) and the paged cache "
-            "holds the keys the model hands over (RoPE applied); kvq report runs it",
-        )
     return ServingSupport(True)
 
 
@@ -468,6 +475,7 @@ def cache_config_for(
         v_residual_format=tuple(v_res) or v_base,
         k_absolute=policy.absolute_loops("key", num_loops),
         v_absolute=policy.absolute_loops("value", num_loops),
+        rope_theta=policy.rope_theta,
         k_group_size=policy.group_size,
         v_group_size=policy.group_size,
         sink=policy.window.sink if policy.window is not None else 0,

@@ -135,18 +135,19 @@ def layer_policies(policy: Policy, model, num_loops: int | None = None) -> tuple
     bits = [tables.table(layer) for layer in range(num_layers)]
     one_width = len({sum(t[0]) for t in bits}) == 1
     if policy.heavy is not None:
-        return _heavy_policies(policy, tables, bits, one_width, num_loops)
+        return _heavy_policies(policy, tables, bits, one_width, num_loops, tables.rope_theta)
     if one_width:
         key_format = register_layer_tables(bits)
         return (policy.for_key_format(key_format, None, tables.rope_theta),) * num_layers
     return per_layer_policies(policy, tables, range(num_layers), register_table)
 
 
-def _heavy_policies(policy, tables, bits, one_width: bool, num_loops: int):
+def _heavy_policies(policy, tables, bits, one_width: bool, num_loops: int, rope_theta):
     """A heavy policy's layers: keys in a heavy-row format over the INTB format of the key
     tables holding the mean-query tables (one format for every layer when the tables share
     a row width, the layer traced; else one per layer), values in heavy rows over the
-    policy's value base format (`Policy.with_heavy_formats`)."""
+    policy's value base format, keys before RoPE with base `rope_theta` (the tables', for a
+    pre_rope policy) (`Policy.with_heavy_formats`)."""
     from kvq_jax.codecs.formats.heavy_rows import register_heavy
     from kvq_jax.codecs.formats.intb import register_layer_tables, register_table
 
@@ -155,10 +156,11 @@ def _heavy_policies(policy, tables, bits, one_width: bool, num_loops: int):
     value_format = register_heavy(policy.formats("value")[0], policy.heavy)
     if one_width:
         key_format = register_heavy(register_layer_tables(bits), policy.heavy, np.stack(queries))
-        return (policy.with_heavy_formats(key_format, value_format, num_loops),) * len(bits)
+        served = policy.with_heavy_formats(key_format, value_format, num_loops, rope_theta)
+        return (served,) * len(bits)
     keys = [register_heavy(register_table(bits[layer]), policy.heavy, queries[layer])
             for layer in layers]  # fmt: skip
-    return tuple(policy.with_heavy_formats(k, value_format, num_loops) for k in keys)
+    return tuple(policy.with_heavy_formats(k, value_format, num_loops, rope_theta) for k in keys)
 
 
 # -- requests and the engine -----------------------------------------------------------------

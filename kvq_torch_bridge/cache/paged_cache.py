@@ -77,6 +77,12 @@ def _empty_packed(config: PagedCacheConfig, spec: dict, batch: tuple, device) ->
 def _check_config(config) -> PagedCacheConfig:
     if not isinstance(config, PagedCacheConfig):
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
+    if config.rope_theta is not None:
+        raise ValueError(
+            "config.rope_theta: keys stored before RoPE are served by kvq_jax's paged cache "
+            "(kvq_jax.cache.paged_cache); this Torch cache stores the keys as handed over "
+            "(rope_theta=None)"
+        )
     return config
 
 

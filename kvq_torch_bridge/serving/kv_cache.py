@@ -122,7 +122,7 @@ def policy_for_kv_cache_dtype(kv_cache_dtype: str) -> Policy | None:
         why = ""
         if policy is not None and policy.window is not None:
             why = " (raw window rows need per-sequence state this slot-mapped cache does not keep)"
-        elif policy is not None and policy.heavy is not None and not policy.pre_rope:
+        elif policy is not None and policy.heavy is not None:
             why = f" ({HEAVY_REFUSAL})"
         elif policy is not None:
             why = f" ({serving_support(policy, num_loops=1).reason or 'not served here'})"

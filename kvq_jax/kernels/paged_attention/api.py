@@ -57,6 +57,9 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
     d, ps = config.head_dim, config.page_size
     if config.adaptive_exit:
         return "cache.config.adaptive_exit: the depth map is served by the XLA path"
+    if config.rope_theta is not None:
+        return ("cache.config.rope_theta: keys stored before RoPE get RoPE back in the XLA "
+                "path")  # fmt: skip
     if d not in HEAD_DIMS:
         return f"cache.config.head_dim = {d} is not supported (kernel takes {HEAD_DIMS})"
     if ps not in PAGE_SIZES:

@@ -20,6 +20,9 @@ inverse rotation (`decode_pages(rotated=True)`), the raw sink and staging rows a
 rotation is linear, so this is the same attention up to rounding, without a butterfly per
 value row; the reference rounds each decoded row to the cache dtype first, so for a bfloat16
 or float16 cache the two differ by that rounding (float32 caches: float32 round-off).
+
+Keys stored before RoPE (`PagedCacheConfig.rope_theta`) get RoPE back block by block, at
+their positions, in the cache dtype (`cache_state.rope_keys`), as the reference reads them.
 """
 
 from __future__ import annotations
@@ -118,9 +121,10 @@ def paged_decode_attention(
     def body(j, state):
         pages = jax.lax.dynamic_slice_in_dim(page_ids, j * block_pages, block_pages, axis=1)
         pages = pages.reshape(-1)
-        pos = j * block_tokens + jnp.arange(block_tokens)[None, :]
-        valid = (pos >= n_sink) & (pos < limit[:, None])
-        return soft.update(state, decode("key", pages), decode("value", pages), valid)
+        pos = j * block_tokens + jnp.arange(block_tokens)
+        keys = cache_state.rope_keys(config, decode("key", pages), pos)  # pre-RoPE caches
+        valid = (pos[None, :] >= n_sink) & (pos[None, :] < limit[:, None])
+        return soft.update(state, keys, decode("value", pages), valid)
 
     # Blocks past every sequence's last quantized row are never decoded.
     needed = jnp.minimum((jnp.max(limit) + block_tokens - 1) // block_tokens, n_blocks)
