@@ -182,7 +182,8 @@ def _store_pages(cache, kind, pages, exited_rows, plan, loop, backend, rows=None
         stored = pages
         if kind == "key":  # a pre-RoPE cache packs the keys with RoPE taken off
             positions = plan.logical[:, None] * config.page_size + jnp.arange(config.page_size)
-            stored = cache_state.rope_keys(config, pages, positions, invert=True)
+            rope = cache_state.key_rope(config, positions)
+            stored = cache_state.rope_keys(config, pages, rope, invert=True)
         if loop == 0 or (absolute and exited_rows is None):
             # Loop 0, or a loop stored absolute: the page itself (`encode_residual(absolute=True)`).
             payload = stored

@@ -35,7 +35,8 @@ own buffer, so a cache can be donated to a jitted update (`kvq_jax.cache.paged_c
 
 `sequence_rows` is the XLA building block of every read: the rows a sequence attends in one
 loop, from its decoded pages, its staging page and its sink rows. `rope_keys` turns the keys
-of a pre-RoPE cache (`PagedCacheConfig.rope_theta`) between the stored and the served space.
+of a pre-RoPE cache (`PagedCacheConfig.rope_theta`) between the stored and the served space
+(`key_rope`: their tables).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ __all__ = [
     "head_shardings",
     "init_cache",
     "planes",
+    "key_rope",
     "rope_keys",
 ]
 
@@ -200,16 +202,25 @@ def head_shardings(cache: PagedKVCache, mesh, axis: str):
     return dataclasses.replace(cache, **out)
 
 
-def rope_keys(config: PagedCacheConfig, rows, positions, *, invert: bool = False):
-    """Key rows [..., T, H, D] of a cache storing keys before RoPE (`config.rope_theta`), at
-    int positions broadcasting against [..., T]: RoPE applied (FORMAT.md 5b's arithmetic,
-    `apply_rope`), or with invert=True taken off (`invert_rope`, what a page packs), in the
-    cache dtype. Rows as they are when the cache stores the keys as handed over."""
+def key_rope(config: PagedCacheConfig, positions):
+    """(cos, sin) float32 [..., 1, D] of int positions [...] for the keys of a cache storing
+    them before RoPE (`config.rope_theta`; `rope_at`), None for other caches. Compute them
+    once per read (not per block of pages): XLA hoists tables of static positions out of
+    the engine's layer scan."""
     if config.rope_theta is None:
+        return None
+    return rope_at(positions, config.head_dim, config.rope_theta)
+
+
+def rope_keys(config: PagedCacheConfig, rows, rope, *, invert: bool = False):
+    """Key rows [..., T, H, D] of a pre-RoPE cache turned by `rope` = (cos, sin) broadcasting
+    against them (`key_rope` of the rows' positions): RoPE applied (FORMAT.md 5b's
+    arithmetic, `apply_rope`), or with invert=True taken off (`invert_rope`, what a page
+    packs), in the cache dtype. Rows as they are when `rope` is None."""
+    if rope is None:
         return rows
-    cos, sin = rope_at(positions, config.head_dim, config.rope_theta)
     turn = invert_rope if invert else apply_rope
-    return turn(rows, cos, sin).astype(config.dtype)
+    return turn(rows, *rope).astype(config.dtype)
 
 
 def sequence_rows(config, decoded, stage, sink, stored, length):
@@ -267,7 +278,7 @@ def read_batch(cache: PagedKVCache, rows, seq_lens, seq_ids, *, loop: int, decod
     ):
         pages = decode(kind, page_ids).reshape(b, m * config.page_size, *config.page_shape[1:])
         if kind == "key":  # stored before RoPE: turned at each row's position in its sequence
-            pages = rope_keys(config, pages, jnp.arange(m * config.page_size))
+            pages = rope_keys(config, pages, key_rope(config, jnp.arange(m * config.page_size)))
         pages = pages.reshape(b, m, *config.page_shape)
         stage_rows, sink_rows = stage[loop][seq_ids], sink[loop][seq_ids]
         out.append(one(pages, stage_rows, sink_rows, stored, jnp.asarray(seq_lens)))

@@ -12,16 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _rotate_half(x):
-    h = x.shape[-1] // 2
-    return jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
-
-
 def _rotate(x, cos, sin, sign: float):
+    """x * cos + sign * rotate_half(x) * sin in binary64, rounded once to float32, computed on
+    the halves (rotate_half(x) = [-x_hi, x_lo]; channel c and c + D/2 share an angle): the
+    same operations on the same operands as on the whole row, without its shuffled copy."""
+    h = x.shape[-1] // 2
     with jax.enable_x64(True):
-        x = x.astype(np.float64)
-        cos, sin = (jnp.asarray(a).astype(np.float64) for a in (cos, sin))
-        return (x * cos + sign * (_rotate_half(x) * sin)).astype(np.float32)
+        lo, hi = (a.astype(np.float64) for a in (x[..., :h], x[..., h:]))
+        cos, sin = (jnp.asarray(a)[..., :h].astype(np.float64) for a in (cos, sin))
+        out = (lo * cos - sign * (hi * sin), hi * cos + sign * (lo * sin))
+        return jnp.concatenate([a.astype(np.float32) for a in out], axis=-1)
 
 
 def apply_rope(x, cos, sin):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kvq_jax.codecs import cache_state
 from kvq_jax.codecs.attention import OnlineSoftmax, attend, default_block_pages
@@ -111,6 +112,8 @@ def paged_decode_attention(
     state = soft.update(state, raw_rows(cache.k_stage), raw_values(cache.v_stage), stage_valid)
 
     block_tokens = block_pages * ps
+    # pre-RoPE keys: the tables of every position once (static: hoisted out of a layer scan)
+    rope = cache_state.key_rope(config, jnp.arange(n_blocks * block_tokens))
 
     def decode(kind, pages):
         chain = cache.loop_chain(kind, loop)
@@ -121,9 +124,12 @@ def paged_decode_attention(
     def body(j, state):
         pages = jax.lax.dynamic_slice_in_dim(page_ids, j * block_pages, block_pages, axis=1)
         pages = pages.reshape(-1)
-        pos = j * block_tokens + jnp.arange(block_tokens)
-        keys = cache_state.rope_keys(config, decode("key", pages), pos)  # pre-RoPE caches
-        valid = (pos[None, :] >= n_sink) & (pos[None, :] < limit[:, None])
+        pos = j * block_tokens + jnp.arange(block_tokens)[None, :]
+        valid = (pos >= n_sink) & (pos < limit[:, None])
+        keys = decode("key", pages)
+        if rope is not None:  # keys stored before RoPE: put back at their positions
+            block = [lax.dynamic_slice_in_dim(a, j * block_tokens, block_tokens) for a in rope]
+            keys = cache_state.rope_keys(config, keys, block)
         return soft.update(state, keys, decode("value", pages), valid)
 
     # Blocks past every sequence's last quantized row are never decoded.
