@@ -390,6 +390,15 @@ def test_not_served_rows_are_marked_with_the_reason(fixture_file, capsys, monkey
     assert rc == 0 and "*" not in out, out
 
 
+def test_header_names_the_selected_model_layers(capsys):
+    """`--layers 2,1` on the embedded capture (model layers 2, 15, 28 of 30) names model layers
+    28 and 15 in the header (a selection past the first indices once raised IndexError)."""
+    argv = ["report", "--policies", "int4-g64", "--layers", "2,1", "--windows", "0"]
+    rc, out, err = _run(argv, capsys)
+    assert rc == 0, err
+    assert "2 layers (28, 15 of 30)" in out.splitlines()[1], out
+
+
 def _readme_report_output() -> str:
     """The `kvq report` output the README shows (its ```text block)."""
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()

@@ -68,9 +68,8 @@ def describe(info: dict) -> str:
         what += f" on {text}"
     layers = f"{info['layers']} layers"
     ids = meta.get("layers")
-    if isinstance(ids, list) and len(ids) >= info["layers"]:
-        chosen = info["selected_layers"] or range(info["layers"])
-        layers += f" ({', '.join(str(ids[i]) for i in chosen)}"
+    if isinstance(ids, list) and len(ids) >= info["layers"]:  # the selection's (`select`)
+        layers += f" ({', '.join(str(i) for i in ids[: info['layers']])}"
         total = meta.get("num_model_layers")
         layers += f" of {total})" if total else ")"
     loops = f"{info['loops']} loops"
