@@ -66,8 +66,8 @@ __all__ = [
     "codec_view",
     "head_shardings",
     "init_cache",
-    "planes",
     "key_rope",
+    "planes",
     "rope_keys",
 ]
 

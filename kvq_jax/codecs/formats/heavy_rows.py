@@ -79,29 +79,29 @@ class HeavyCodec(HeavyLayout, Codec):
 
     def _spread(self, packed) -> PackedKV | None:
         """The payload as a base-format tensor of all T rows: each payload array with a row
-        axis gets a filler row at each heavy row's place (a copy of a neighbour), token groups
-        of G - 1 payload rows become groups of G, so the base decodes the T rows in one pass
-        and the heavy rows overwrite the fillers: the same values as decoding the payload and
-        merging (every row decodes on its own, with its group's metadata), without shifting
-        decoded rows (XLA:CPU fuses an INTB decode into each shifted view: 2x slower). Token
-        groups of G - 1 rows only (the metadata is then one entry per heavy group); None
-        otherwise, or for a last group of one row."""
+        axis gets a filler row at each heavy row's place (a copy of a neighbour), so the base
+        decodes the T rows in one pass and the heavy rows overwrite the fillers: the same
+        values as decoding the payload and merging (every row decodes on its own, with its
+        group's metadata), without shifting decoded rows (XLA:CPU fuses a decode into each
+        shifted view: 2x slower for INTB keys, 5x for HINT4 values). Token groups of G - 1
+        rows (their metadata is then one entry per heavy group: only the codes are spread,
+        the groups become G rows) or channel groups (every array is per row: all are
+        spread); None otherwise, or for a last group of one row."""
         t, h, d = packed.shape
         g, n = self.heavy_group, self.num_groups(t)
         tokens = packed.axis == "tokens"
-        if not tokens or packed.group_size != g - 1 or t % g == 1:
+        if (tokens and packed.group_size != g - 1) or t % g == 1:
             return None
+        arrays = {f: getattr(packed, f) for f in self.base_codec.array_fields}
+        spread = {f for f in arrays if f == "codes" or not tokens}
+        if any(arrays[f].ndim < 2 or arrays[f].shape[0] != t - n for f in spread):
+            return None  # an array without a payload-row axis (e.g. one scale per page)
         rows = packed.heavy_rows.astype(jnp.int32)  # [nG, H]
-        fields = {}
-        for f in self.base_codec.array_fields:
-            a = getattr(packed, f)
-            if f == "codes":
-                fields[f] = _spread_rows(a, rows, n, g, t)
-            else:
-                fields[f] = a
+        fields = {f: _spread_rows(a, rows, n, g, t) if f in spread else a
+                  for f, a in arrays.items()}  # fmt: skip
         return PackedKV(
             **fields, format=self.base_codec.name, kind=packed.kind, axis=packed.axis,
-            group_size=g, shape=(t, h, d), dtype=packed.dtype,
+            group_size=g if tokens else packed.group_size, shape=(t, h, d), dtype=packed.dtype,
         )  # fmt: skip
 
     def _decode(self, packed, decode, heavy_map=None) -> jnp.ndarray:
