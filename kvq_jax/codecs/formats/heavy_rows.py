@@ -113,13 +113,14 @@ class HeavyCodec(HeavyLayout, Codec):
             return merge_heavy(decode(self._payload(packed)), heavy, packed.shape,
                                self.heavy_group, heavy_map)  # fmt: skip
         t, h, d = packed.shape
-        g, n = self.heavy_group, self.num_groups(t)
-        decoded = heavy_rows_decoded(heavy, h, d)
+        decoded = heavy_rows_decoded(heavy, h, d)  # [nG, H, D]
         decoded = decoded if heavy_map is None else heavy_map(decoded)
-        full = jnp.pad(decode(spread), ((0, n * g - t), (0, 0), (0, 0))).reshape(n, g, h, d)
-        i = jnp.arange(g)[None, :, None, None]
-        r = heavy["heavy_rows"].astype(jnp.int32)[:, None, :, None]
-        return jnp.where(i == r, decoded[:, None], full).reshape(n * g, h, d)[:t]
+        # the heavy rows written over their fillers in place (a scatter of nG x H rows, not
+        # a select over every row: 2.3 -> 0.9 ms for HINT4 values of 8192 x 3 rows on XLA:CPU)
+        g = self.heavy_group
+        rows = jnp.arange(decoded.shape[0])[:, None] * g + heavy["heavy_rows"].astype(jnp.int32)
+        heads = jnp.broadcast_to(jnp.arange(h), rows.shape)
+        return decode(spread).at[rows, heads].set(decoded, mode="drop", unique_indices=True)
 
     def unpack(self, packed, dtype, layer=None) -> jnp.ndarray:
         base = self.base_codec
