@@ -112,7 +112,7 @@ class HeavyCodec(HeavyLayout, Codec):
         if spread is None:
             return merge_heavy(decode(self._payload(packed)), heavy, packed.shape,
                                self.heavy_group, heavy_map)  # fmt: skip
-        t, h, d = packed.shape
+        _, h, d = packed.shape
         decoded = heavy_rows_decoded(heavy, h, d)  # [nG, H, D]
         decoded = decoded if heavy_map is None else heavy_map(decoded)
         # the heavy rows written over their fillers in place (a scatter of nG x H rows, not
