@@ -43,12 +43,12 @@ def test_pre_rope_policies_carry_their_base_into_the_cache_config():
         assert not served.pre_rope and served.rope_theta == 1e5 and served.heavy is None
         config = cache_config_for(served, num_loops=4, **SHAPE)
         assert config.rope_theta == 1e5 and config.k_absolute == (1, 2, 3)
-        with pytest.raises(ValueError, match="stores keys before RoPE: give its tables' base"):
+        with pytest.raises(ValueError, match="before RoPE: its tables must give a RoPE base"):
             policy.with_heavy_formats("int4", "int4", 4)
     plain = POLICIES["intb-hint4-heavy-smollm2"]
     assert cache_config_for(plain.with_heavy_formats("int4", "int4", 1), num_loops=1,
                             **SHAPE).rope_theta is None  # fmt: skip
-    with pytest.raises(ValueError, match="stores RoPE'd keys: give no RoPE base"):
+    with pytest.raises(ValueError, match="RoPE'd keys: its tables must not be calibrated for"):
         plain.with_heavy_formats("int4", "int4", 1, rope_theta=1e5)
 
 

@@ -126,11 +126,8 @@ class Policy:
                 raise ValueError(f"Policy.{field}: a loop is listed twice in {loops!r}")
             object.__setattr__(self, field, tuple(sorted(loops)))
 
-    def for_key_format(self, key_format: str, heavy_table=None, rope_theta=None) -> Policy:
-        """This policy with its keys in `key_format` in every loop (a key_tables policy's
-        policy for one layer, whose INTB format is registered under `key_format`), for a
-        heavy policy that layer's mean-query table (an array [H, R, D] of bfloat16 values),
-        and for a pre_rope policy the RoPE base of its tables."""
+    def _check_rope_theta(self, rope_theta) -> None:
+        """A RoPE base (its tables') is given exactly for a pre_rope policy."""
         if self.pre_rope != (rope_theta is not None):
             raise ValueError(
                 f"rope_theta: policy {self.name!r} "
@@ -141,6 +138,13 @@ class Policy:
                 )
                 + " a RoPE base"
             )
+
+    def for_key_format(self, key_format: str, heavy_table=None, rope_theta=None) -> Policy:
+        """This policy with its keys in `key_format` in every loop (a key_tables policy's
+        policy for one layer, whose INTB format is registered under `key_format`), for a
+        heavy policy that layer's mean-query table (an array [H, R, D] of bfloat16 values),
+        and for a pre_rope policy the RoPE base of its tables."""
+        self._check_rope_theta(rope_theta)
         table = None
         if self.heavy is not None:
             if heavy_table is None:
@@ -169,15 +173,7 @@ class Policy:
         `kvq_jax.core.layouts.HeavyLayout`, `PagedCacheConfig.rope_theta`)."""
         if self.heavy is None:
             raise ValueError(f"policy {self.name!r} stores no heavy rows")
-        if self.pre_rope != (rope_theta is not None):
-            raise ValueError(
-                f"rope_theta: policy {self.name!r} "
-                + (
-                    "stores keys before RoPE: give its tables' base"
-                    if self.pre_rope
-                    else "stores RoPE'd keys: give no RoPE base"
-                )
-            )
+        self._check_rope_theta(rope_theta)
         loops = tuple(range(1, num_loops))
         return dataclasses.replace(
             self, base_format=key_format, residual_format=key_format, group_size=None,
