@@ -4,7 +4,8 @@ A completed key page packs `invert_rope` of its rows at their positions in the s
 (`gather`, decode attention) put RoPE back at the same positions. Checked against the
 plain-Python oracle's RoPE (`kvq_jax.oracle.invert_rope` / `apply_rope`) and the codecs' own
 packing (`pack_kv`, `pack_heavy`, `encode_residual`, each checked against the oracle
-elsewhere), with dense attention on the rows rebuilt from them.
+elsewhere), with dense attention on the rows rebuilt from them; the Torch paged cache holds
+the same bytes.
 """
 
 from __future__ import annotations
@@ -233,6 +234,55 @@ def test_planted_defect_wrong_positions(monkeypatch):
     cache = _fill(config, [T])
     with pytest.raises(AssertionError, match="keys of 0"):
         _check_reads(cache, config)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_cache_has_the_same_bytes(dtype):
+    """The Torch paged cache given the same appends (a delta loop, chunks) holds the JAX
+    cache's bytes, gathers the same rows and attends to the same output (float32 round-off);
+    its device tables are `rope_tables`' for every position of a 32k context."""
+    import torch
+
+    from kvq_torch_bridge.cache import paged_attention as tattention
+    from kvq_torch_bridge.cache import paged_cache as tpc
+    from kvq_torch_bridge.codecs.rope import rope_at as torch_rope_at
+
+    cos, sin = torch_rope_at(torch.arange(32768), 128, 1e6)
+    want = rope_tables(32768, 128, 1e6)
+    assert cos.numpy().tobytes() == want[0].tobytes() and sin.numpy().tobytes() == want[1].tobytes()
+    config = _config(dtype=dtype, num_loops=2, k_residual_format="int2", v_residual_format="int2")
+    jcache, tcache = paged_cache.init_cache(config), tpc.init_cache(config)
+    ids = np.arange(B, dtype=np.int32)
+    tables = np.array(TABLES)  # writable: Torch wraps it
+    for a, b in itertools.pairwise(np.cumsum([0, 37, 1, 112])):
+        for loop in range(2):
+            k, v = (x[loop, :, a:b].astype(config.dtype) for x in (K, V))
+            kw = dict(block_tables=tables, seq_ids=ids, loop=loop)
+            jcache = paged_cache.append(jcache, k, v, **kw)
+            tk, tv = (torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+                      if dtype == "bfloat16" else torch.from_numpy(x) for x in (k, v))  # fmt: skip
+            tcache = tpc.append(tcache, tk, tv, **kw)
+    jleaves = jax.tree.leaves(jcache)
+    tleaves = torch.utils._pytree.tree_leaves(tcache)
+    assert len(jleaves) == len(tleaves)
+    for i, (a, b) in enumerate(zip(jleaves, tleaves, strict=True)):
+        b = b.view(torch.uint16) if b.dtype == torch.bfloat16 else b
+        a = np.asarray(a)
+        a = a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
+        assert a.tobytes() == b.numpy().tobytes(), f"leaf {i}"
+    q = RNG.standard_normal((B, 2 * H, D)).astype(np.float32)
+    lens = np.asarray([T, T - 40], np.int32)
+    for loop in range(2):
+        jk, _ = paged_cache.gather(jcache, seq_id=0, seq_len=T, block_table=TABLES[0], loop=loop)
+        tk, _ = tpc.gather(tcache, seq_id=0, seq_len=T, block_table=tables[0], loop=loop)
+        tk = tk.view(torch.uint16) if dtype == "bfloat16" else tk
+        jk = np.asarray(jk)
+        jk = jk.view(np.uint16) if dtype == "bfloat16" else jk
+        assert jk.tobytes() == tk.numpy().tobytes(), f"gathered keys, loop {loop}"
+        out = paged_decode_attention(q, jcache, TABLES, jnp.asarray(lens), loop=loop)
+        tq, tt, tl = (torch.from_numpy(a) for a in (q, tables, lens))
+        tout = tattention.paged_decode_attention(tq, tcache, tt, tl, loop=loop)
+        np.testing.assert_allclose(tout.numpy(), np.asarray(out), rtol=1e-5, atol=1e-5)
 
 
 def test_kernels_and_config():

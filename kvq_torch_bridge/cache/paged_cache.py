@@ -34,6 +34,7 @@ from kvq_torch_bridge.codecs._dtypes import BITS, from_numpy, meta, to_numpy, to
 from kvq_torch_bridge.codecs._numerics import add_in_dtype, subtract_in_dtype
 from kvq_torch_bridge.codecs.packed import PackedKV, register_pytree
 from kvq_torch_bridge.codecs.registry import get_codec
+from kvq_torch_bridge.codecs.rope import apply_rope, invert_rope, rope_at
 
 __all__ = [
     "PagedCacheConfig",
@@ -74,15 +75,26 @@ def _empty_packed(config: PagedCacheConfig, spec: dict, batch: tuple, device) ->
     return PackedKV(**arrays, **spec, shape=config.page_shape, dtype=config.dtype)
 
 
+def key_rope(config: PagedCacheConfig, positions: torch.Tensor):
+    """(cos, sin) of int positions for a pre-RoPE cache's keys (`config.rope_theta`), else
+    None (`kvq_jax.codecs.cache_state.key_rope`)."""
+    if config.rope_theta is None:
+        return None
+    return rope_at(positions, config.head_dim, config.rope_theta)
+
+
+def rope_keys(config: PagedCacheConfig, rows: torch.Tensor, rope, *, invert: bool = False):
+    """Key rows [..., T, H, D] turned by `rope` (RoPE put back, or taken off with invert), in
+    the cache dtype; rows as they are for `rope` None (`kvq_jax...cache_state.rope_keys`)."""
+    if rope is None:
+        return rows
+    turn = invert_rope if invert else apply_rope
+    return turn(rows, *rope).to(torch_dtype(config.dtype))
+
+
 def _check_config(config) -> PagedCacheConfig:
     if not isinstance(config, PagedCacheConfig):
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
-    if config.rope_theta is not None:
-        raise ValueError(
-            "config.rope_theta: keys stored before RoPE are served by kvq_jax's paged cache "
-            "(kvq_jax.cache.paged_cache); this Torch cache stores the keys as handed over "
-            "(rope_theta=None)"
-        )
     return config
 
 
@@ -276,7 +288,8 @@ def _last_page(buf: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(config, start, n, tables, seq_ids):
-    """(off [B], fill [B], target [B * C], C): where one append's rows go (`kvq_jax`'s)."""
+    """(off [B], fill [B], target [B * C], logical [B * C], C): where one append's rows go
+    (`kvq_jax`'s; logical: the page of its sequence each buffer page is)."""
     ps, num_pages = config.page_size, config.num_pages
     device = start.device
     c = -(-n // ps)
@@ -290,7 +303,7 @@ def _plan(config, start, n, tables, seq_ids):
     phys = tables[seq_index[:, None], logical.clamp(max=tables.shape[1] - 1)].to(torch.int64)
     phys = torch.where(in_table, phys, -1)
     valid = complete & (phys >= 0) & (phys < num_pages)
-    return off, fill, torch.where(valid, phys, num_pages).reshape(-1), c
+    return off, fill, torch.where(valid, phys, num_pages).reshape(-1), logical.reshape(-1), c
 
 
 def _store_pages(cache, kind, pages, exited_rows, target, loop):
@@ -339,7 +352,7 @@ def append(
     seq_ids, tables = _index_tensor(seq_ids, device), _index_tensor(block_tables, device)
     b, n = k.shape[:2]
     start = _fill_get(cache.seq_lens[loop], seq_ids).to(torch.int64)
-    off, fill, target, c = _plan(config, start, n, tables, seq_ids)
+    off, fill, target, logical, c = _plan(config, start, n, tables, seq_ids)
     ps = config.page_size
 
     exited_rows = None
@@ -360,6 +373,9 @@ def append(
         stage = getattr(cache, f"{prefix}_stage")[loop]  # [S, ps, H, D], a view
         buf = _buffer(_fill_get(stage, seq_ids), new, off, c)
         pages = buf[:, :c].reshape(b * c, *config.page_shape)
+        if kind == "key":  # a pre-RoPE cache packs the keys with RoPE taken off
+            positions = logical[:, None] * ps + torch.arange(ps, device=device)
+            pages = rope_keys(config, pages, key_rope(config, positions), invert=True)
         _store_pages(cache, kind, pages, exited_rows, target, loop)
         _put_(stage, seq_ids, _last_page(buf, fill))
         if config.sink:  # position i < sink takes new token i - start when it is in the call
@@ -401,6 +417,9 @@ def read_batch(cache: PagedKVCache, *, seq_ids, lengths, table_rows, loop: int, 
     out = []
     for kind, prefix in (("key", "k"), ("value", "v")):
         pages = decode_pages(cache, kind, page_ids.reshape(-1), loop=loop)
+        pages = pages.reshape(b, max_pages * ps, h, d)
+        if kind == "key":  # stored before RoPE: turned at each row's position in its sequence
+            pages = rope_keys(config, pages, key_rope(config, pos[0, :, 0, 0]))
         pages = pages.reshape(b, max_pages, ps, h, d)
         stage = getattr(cache, f"{prefix}_stage")[loop][seq_index][:, None]  # [B, 1, ps, H, D]
         rows = torch.where(full, pages, torch.where(partial, stage, zero))

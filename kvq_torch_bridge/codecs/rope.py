@@ -3,18 +3,31 @@ inputs, one rounding to float32; tables from `kvq_jax.core.rope.rope_tables`).""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-
-
 def _rotate(x, cos, sin, sign: float) -> torch.Tensor:
+    """x * cos + sign * rotate_half(x) * sin in binary64 on the row halves, rounded once to
+    float32 (`kvq_jax.codecs.rope._rotate`)."""
+    h = x.shape[-1] // 2
     x = x.to(torch.float32).to(torch.float64)
-    cos, sin = cos.to(torch.float64), sin.to(torch.float64)
-    return (x * cos + sign * (_rotate_half(x) * sin)).to(torch.float32)
+    lo, hi = x[..., :h], x[..., h:]
+    cos, sin = cos[..., :h].to(torch.float64), sin[..., :h].to(torch.float64)
+    out = (lo * cos - sign * (hi * sin), hi * cos + sign * (lo * sin))
+    return torch.cat([a.to(torch.float32) for a in out], dim=-1)
+
+
+def rope_at(positions: torch.Tensor, dim: int, theta: float):
+    """(cos, sin) float32 [..., 1, D] of int positions [...] on their device: the numbers of
+    `kvq_jax.core.rope.rope_tables` (`kvq_jax.codecs.rope.rope_at`)."""
+    if dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got D={dim}")
+    inv = float(theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv = torch.from_numpy(inv).to(positions.device)
+    angle = positions.to(torch.float64)[..., None] * inv
+    cos, sin = (f(angle).to(torch.float32) for f in (torch.cos, torch.sin))
+    return tuple(torch.cat([a, a], dim=-1)[..., None, :] for a in (cos, sin))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
