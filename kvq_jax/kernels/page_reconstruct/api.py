@@ -146,6 +146,8 @@ def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto", l
 
     Each page is its base decoded, then loop by loop its delta decoded and added in the cache
     dtype (`decode_residual`); every backend gives the same bytes (decoded NaNs as NaN).
+    Pages as stored: the keys of a pre-RoPE cache (`PagedCacheConfig.rope_theta`) come back
+    before RoPE (`gather` and decode attention put it back at the rows' positions).
     """
     check_cache(cache)  # before jit flattens it: a clear error for a non-cache
     return _decode_pages(
