@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvq_jax.core.rope import inverse_frequencies
+
 
 def _rotate(x, cos, sin, sign: float):
     """x * cos + sign * rotate_half(x) * sin in binary64, rounded once to float32, computed on
@@ -39,9 +41,7 @@ def rope_at(positions, dim: int, theta: float):
     `kvq_jax.core.rope.rope_tables` (the binary64 angle position * theta^(-2c/D), its binary64
     cos / sin rounded once to float32), computed on the device for positions known only
     there (a paged cache's rows)."""
-    if dim % 2:
-        raise ValueError(f"RoPE needs an even head dim, got D={dim}")
-    inv = float(theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv = inverse_frequencies(dim, theta)
     with jax.enable_x64(True):
         angle = jnp.asarray(positions).astype(np.float64)[..., None] * jnp.asarray(inv)
         cos, sin = (f(angle).astype(np.float32) for f in (jnp.cos, jnp.sin))

@@ -11,14 +11,20 @@ from __future__ import annotations
 import numpy as np
 
 
-def rope_tables(num_tokens: int, dim: int, theta: float, offset: int = 0):
-    """(cos, sin) float32 [T, 1, D] of positions offset .. offset + T - 1: channel c and
-    c + D/2 share the angle position * theta^(-2c/D)."""
+def inverse_frequencies(dim: int, theta: float) -> np.ndarray:
+    """float64 [D / 2]: theta^(-2c/D), the angle per position of channels c and c + D/2 (every
+    stack's RoPE tables start here)."""
     if dim % 2:
         raise ValueError(f"RoPE needs an even head dim, got D={dim}")
     if not theta > 0:
         raise ValueError(f"theta must be positive, got {theta!r}")
-    inv = float(theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    return float(theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+
+def rope_tables(num_tokens: int, dim: int, theta: float, offset: int = 0):
+    """(cos, sin) float32 [T, 1, D] of positions offset .. offset + T - 1: channel c and
+    c + D/2 share the angle position * theta^(-2c/D)."""
+    inv = inverse_frequencies(dim, theta)
     angle = np.arange(offset, offset + num_tokens, dtype=np.float64)[:, None] * inv[None]
     angle = np.concatenate([angle, angle], axis=1)[:, None, :]
     return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
@@ -28,7 +34,7 @@ def rope_aware_weights(dim: int, theta: float, num_tokens: int, recent: int = 16
     """float64 [D]: a_c = mean over query-key distances d in [recent, T) of cos^2(d * w_c), the
     share of channel c's own query energy that reaches a pre-RoPE key channel c (the rest
     comes from its rotation partner c +- D/2)."""
-    inv = float(theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv = inverse_frequencies(dim, theta)
     d = np.arange(min(recent, num_tokens - 1), num_tokens, dtype=np.float64)
     a = (np.cos(inv[:, None] * d[None]) ** 2).mean(axis=1)
     return np.concatenate([a, a])

@@ -3,8 +3,9 @@ inputs, one rounding to float32; tables from `kvq_jax.core.rope.rope_tables`).""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from kvq_jax.core.rope import inverse_frequencies
 
 
 def _rotate(x, cos, sin, sign: float) -> torch.Tensor:
@@ -21,10 +22,7 @@ def _rotate(x, cos, sin, sign: float) -> torch.Tensor:
 def rope_at(positions: torch.Tensor, dim: int, theta: float):
     """(cos, sin) float32 [..., 1, D] of int positions [...] on their device: the numbers of
     `kvq_jax.core.rope.rope_tables` (`kvq_jax.codecs.rope.rope_at`)."""
-    if dim % 2:
-        raise ValueError(f"RoPE needs an even head dim, got D={dim}")
-    inv = float(theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
-    inv = torch.from_numpy(inv).to(positions.device)
+    inv = torch.from_numpy(inverse_frequencies(dim, theta)).to(positions.device)
     angle = positions.to(torch.float64)[..., None] * inv
     cos, sin = (f(angle).to(torch.float32) for f in (torch.cos, torch.sin))
     return tuple(torch.cat([a, a], dim=-1)[..., None, :] for a in (cos, sin))
