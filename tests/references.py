@@ -8,21 +8,28 @@ import jax
 import numpy as np
 
 from kvq_jax.codecs.api import unpack_kv
-from kvq_jax.codecs.cache_state import codec_view, planes
+from kvq_jax.codecs.cache_state import codec_view
 from kvq_jax.codecs.residual import KVResidual, decode_residual
 
 
 def reference_pages(cache, kind: str, loop: int, pages) -> np.ndarray:
-    """Loop `loop` of physical `pages` [N]: `unpack_kv` of each page's base, then
-    `decode_residual` of each of its deltas up to `loop`; [N, page_size, H, D]."""
-    base, delta = planes(cache, kind)
-    base, delta = codec_view(base), delta if delta is None else codec_view(delta)
+    """Loop `loop` of physical `pages` [N], page by page with the public codec functions:
+    `unpack_kv` of the page in the first loop read (0, or the last loop at or before `loop`
+    that the config stores absolute), then per later loop `unpack_kv` of its page when stored
+    absolute, else `decode_residual` of its delta; [N, page_size, H, D]."""
+    absolute = cache.config.absolute_loops(kind)
+    start = max((a for a in absolute if a <= loop), default=0)
     out = []
     for page in np.asarray(pages).tolist():
-        recon = unpack_kv(jax.tree.map(lambda a, p=page: a[p], base))
-        for r in range(loop):
-            payload = jax.tree.map(lambda a, r=r, p=page: a[r, p], delta)
-            recon = decode_residual(KVResidual(payload=payload, shape=recon.shape), recon)
+        recon = None
+        for i in range(start, loop + 1):
+            plane, level = cache.loop_plane(kind, i)
+            at = (page,) if level is None else (level, page)
+            payload = jax.tree.map(lambda a, at=at: a[at], codec_view(plane))
+            if recon is None or i in absolute:
+                recon = unpack_kv(payload)
+            else:
+                recon = decode_residual(KVResidual(payload=payload, shape=recon.shape), recon)
         out.append(np.asarray(recon))
     ps, h, d = cache.config.page_shape
     return np.stack(out) if out else np.zeros((0, ps, h, d), np.dtype(cache.config.dtype))

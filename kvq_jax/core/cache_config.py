@@ -64,7 +64,7 @@ class PagedCacheConfig:
     as a delta against the reconstructed previous loop (`encode_loops(absolute=...)`); with
     adaptive exits a row that exited earlier is packed there as its reconstructed previous
     loop and read as its exit loop (`depth`). Per-loop formats and absolute loops are served by
-    the XLA path (`per_loop`).
+    the XLA path and the kernels (`per_loop`).
 
     `rope_theta`: keys stored before RoPE (FORMAT.md 5b) with this base, or None (the keys as
     handed over). The cache is handed RoPE'd keys, as the model makes them; a key page that
@@ -277,8 +277,8 @@ class PagedCacheConfig:
         return tuple(tuple(run) for run in runs)
 
     def per_loop(self, kind: str) -> bool:
-        """True when `kind`'s later loops differ in format or some are stored absolute (the XLA
-        path serves these caches; the kernels decline them)."""
+        """True when `kind`'s later loops differ in format or some are stored absolute (each
+        loop's chain then reads planes of several formats or starts at an absolute loop)."""
         return len(self.delta_runs(kind)) > 1 or bool(self.absolute_loops(kind))
 
     def chain(self, kind: str, loop: int) -> tuple[int, ...]:

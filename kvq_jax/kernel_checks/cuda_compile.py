@@ -467,8 +467,14 @@ class KernelConfig:
             return (s.format,)
         if self.kernel == "page_reconstruct":
             k = self.kind[0]
-            return (getattr(s, f"{k}_base_format"), getattr(s, f"{k}_residual_format"))
-        return (s.k_base_format, s.k_residual_format, s.v_base_format, s.v_residual_format)
+            residual = getattr(s, f"{k}_residual_format")
+            residual = residual if isinstance(residual, tuple) else (residual,)
+            return (getattr(s, f"{k}_base_format"), *residual)
+        out = []
+        for base, residual in ((s.k_base_format, s.k_residual_format),
+                               (s.v_base_format, s.v_residual_format)):  # fmt: skip
+            out += [base, *(residual if isinstance(residual, tuple) else (residual,))]
+        return tuple(out)
 
     def build(self, knobs: Knobs) -> tuple[Callable, tuple]:
         return _BUILDERS[self.kernel](self, knobs)
@@ -493,19 +499,17 @@ def _build_page_pack(cfg: KernelConfig, knobs: Knobs):
 
 
 def _build_page_reconstruct(cfg: KernelConfig, knobs: Knobs):
+    from kvq_jax.kernels._tile_decode import chain_steps
     from kvq_jax.kernels.page_reconstruct import pallas_triton
 
     spec = cfg.spec
     if knobs.num_stages != 1:
         raise ValueError("page_reconstruct takes num_stages 1 only (one tile per program)")
-    cache = spec.abstract_cache()
-    base, delta = (
-        (cache.k_base, cache.k_delta) if cfg.kind == "key" else (cache.v_base, cache.v_delta)
-    )
+    steps, planes = chain_steps(spec.abstract_cache(), cfg.kind, spec.loop)
     fn = functools.partial(
-        pallas_triton.decode_pages, loop=spec.loop, interpret=False, launch=knobs.launch
+        pallas_triton.decode_pages, steps=steps, interpret=False, launch=knobs.launch
     )
-    return fn, (base, delta if spec.loop else None, spec.page_ids(8))
+    return fn, (tuple(planes), spec.page_ids(8))
 
 
 def _build_paged_attention(cfg: KernelConfig, knobs: Knobs):
@@ -616,7 +620,7 @@ def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
     elif cfg.kernel == "page_reconstruct":
         rule = launch.page_reconstruct(cfg.page_size, cfg.head_dim)
     elif cfg.kernel == "paged_attention":
-        rule = launch.paged_attention(cfg.spec.group, cfg.head_dim)
+        rule = launch.paged_attention(cfg.spec.group, cfg.head_dim, cfg.page_size)
     else:
         raise ValueError(f"unknown kernel {cfg.kernel!r}")
     return Knobs(rule.num_warps, rule.num_stages)

@@ -11,6 +11,11 @@ Per-tile arrays (shape, dtype), by format:
   int4      codes        uint8   [ps, D/2]   byte j: channel 2j in bits 0-3, 2j+1 in bits 4-7
             minimum      float16 [ps/G, D]   (axis "tokens")  or [ps, D/G] (axis "channels")
             scale        float16 same shape as minimum
+  int2      codes        uint8   [ps, D/4]   byte j: channel 4j + i in bits 2i, 2i + 1
+            minimum      float16 as int4
+            scale        float16 as int4
+  hint4     as int4      the rows still rotated (FORMAT.md 2c: the payload's INT4 decode;
+  hint2     as int2      `unpack_rotated`), for attention in the rotated space
   nvfp4     codes        uint8   [ps, D/2]   E2M1 nibbles, same packing
             block_scale  uint8 (E4M3 bits) or float8_e4m3fn, [ps/16, D] (tokens) or
                          [ps, D/16] (channels)
@@ -24,14 +29,16 @@ outside the kernel, free) or as float8_e4m3fn (bitcast here, same width).
 
 Arithmetic follows docs/FORMAT.md with the correctly rounded helpers of `_exact` (no FMA
 contraction, IEEE division on Triton; the XLA barrier division in interpret mode):
-  int4      f32(code) * f32(scale) + f32(minimum)              (two roundings)
+  int4/int2 f32(code) * f32(scale) + f32(minimum)              (two roundings)
   nvfp4     step = flush(f32(sf) / flush(g)); flush(e2m1(code) * step)
   fp8_e4m3  flush(f32(code) * flush(scale))
 Decoded NaNs are NaN (their sign/payload may differ from XLA's; compare them as NaN).
 
 The residual step of a loop chain is `add_in_dtype_tile(prev, delta, dtype)`: the decoded
 delta rounded to the cache dtype (as `unpack` returns it), then one flushed float32 add and
-one rounding to the cache dtype (`kvq_jax.codecs._numerics.add_in_dtype`).
+one rounding to the cache dtype (`kvq_jax.codecs._numerics.add_in_dtype`). A whole chain
+(`PagedKVCache.loop_chain`: per-loop formats, loops stored absolute) is `chain_steps` (static)
+and `reconstruct_tile` (in the kernel body), shared by both kernels.
 
 Every function takes `interpret` (keyword, static): True inside `pallas_call(...,
 interpret=True)`, False when the kernel lowers through Triton.
@@ -50,21 +57,33 @@ from kvq_jax.kernels import _exact
 __all__ = [
     "FIELDS",
     "FORMATS",
+    "ROTATED",
     "add_in_dtype_tile",
+    "affine_tile",
+    "chain_steps",
     "decode_tile",
     "e4m3_to_f32",
     "expand_groups",
     "fp8_tile",
+    "int2_tile",
     "int4_tile",
     "load_tile",
     "nvfp4_tile",
+    "reconstruct_tile",
+    "unpack_crumbs_tile",
     "unpack_nibbles_tile",
 ]
 
-FORMATS = ("int4", "nvfp4", "fp8_e4m3")
+FORMATS = ("int4", "int2", "hint4", "hint2", "nvfp4", "fp8_e4m3")
+#: Hadamard-rotated formats (FORMAT.md 2c) -> the format of their payload; their tiles decode
+#: to the rotated rows (un-rotating each row is left to the XLA path).
+ROTATED = {"hint4": "int4", "hint2": "int2"}
 #: PackedKV array fields per format: the keys of `decode_tile`'s `arrays`.
 FIELDS = {
     "int4": ("codes", "minimum", "scale"),
+    "int2": ("codes", "minimum", "scale"),
+    "hint4": ("codes", "minimum", "scale"),
+    "hint2": ("codes", "minimum", "scale"),
     "nvfp4": ("codes", "block_scale", "global_scale"),
     "fp8_e4m3": ("codes", "scale"),
 }
@@ -99,6 +118,17 @@ def unpack_nibbles_tile(codes):
     c = codes.astype(jnp.uint32)
     lo, hi = c & 0xF, (c >> 4) & 0xF
     rows, half = codes.shape
+    return jnp.stack([lo, hi], axis=-1).reshape(rows, 2 * half)
+
+
+def unpack_crumbs_tile(codes):
+    """uint8 [ps, D/4] -> uint32 codes [ps, D] (bits 2i, 2i + 1 of byte j: channel 4j + i).
+
+    The nibble split twice (a nibble n holds channels 2n, 2n + 1 in bits 0-1, 2-3): two
+    `tt.join`s and reshapes, no 4-way stack (Triton joins two tensors)."""
+    nib = unpack_nibbles_tile(codes)
+    lo, hi = nib & 0x3, (nib >> 2) & 0x3
+    rows, half = nib.shape
     return jnp.stack([lo, hi], axis=-1).reshape(rows, 2 * half)
 
 
@@ -139,7 +169,19 @@ def e4m3_to_f32(x):
 
 def int4_tile(codes, minimum, scale, *, axis: str, group_size: int, interpret: bool):
     """INT4 tile -> float32 [ps, D]: f32(code) * f32(scale) + f32(minimum), two roundings."""
-    q = unpack_nibbles_tile(codes).astype(jnp.float32)
+    q = unpack_nibbles_tile(codes)
+    return affine_tile(q, minimum, scale, axis=axis, group_size=group_size, interpret=interpret)
+
+
+def int2_tile(codes, minimum, scale, *, axis: str, group_size: int, interpret: bool):
+    """INT2 tile -> float32 [ps, D]: INT4's arithmetic on 2-bit codes (FORMAT.md 2a)."""
+    q = unpack_crumbs_tile(codes)
+    return affine_tile(q, minimum, scale, axis=axis, group_size=group_size, interpret=interpret)
+
+
+def affine_tile(q, minimum, scale, *, axis: str, group_size: int, interpret: bool):
+    """Integer codes [ps, D] -> float32 f32(code) * f32(scale) + f32(minimum) (two roundings)."""
+    q = q.astype(jnp.float32)
     sc = expand_groups(scale.astype(jnp.float32), axis, group_size)
     mn = expand_groups(minimum.astype(jnp.float32), axis, group_size)
     prod = _exact.multiply(q, sc, interpret=interpret)
@@ -167,10 +209,12 @@ def fp8_tile(codes, scale, *, interpret: bool):
 
 def decode_tile(fmt: str, axis: str, group_size: int, arrays: dict, *, interpret: bool):
     """Dispatch on `fmt`: `arrays` holds the tile's arrays by PackedKV field name
-    (int4: codes, minimum, scale; nvfp4: codes, block_scale, global_scale; fp8_e4m3: codes,
-    scale), shaped as in the module doc. Returns float32 [page_size, D]."""
-    if fmt == "int4":
-        return int4_tile(
+    (int4 / int2: codes, minimum, scale; nvfp4: codes, block_scale, global_scale; fp8_e4m3:
+    codes, scale), shaped as in the module doc. Returns float32 [page_size, D] (HINT4 / HINT2:
+    the rows still rotated, `unpack_rotated`)."""
+    fmt = ROTATED.get(fmt, fmt)
+    if fmt in ("int4", "int2"):
+        return (int4_tile if fmt == "int4" else int2_tile)(
             arrays["codes"],
             arrays["minimum"],
             arrays["scale"],
@@ -205,3 +249,45 @@ def add_in_dtype_tile(prev, delta, dtype, *, interpret: bool):
     a = _exact.flush_subnormal(jnp.asarray(prev).astype(dtype).astype(jnp.float32))
     b = _exact.flush_subnormal(jnp.asarray(delta).astype(dtype).astype(jnp.float32))
     return _exact.flush_subnormal(_exact.add(a, b, interpret=interpret)).astype(dtype)
+
+
+def chain_steps(cache, kind: str, loop: int) -> tuple[tuple, list]:
+    """The static plan of reconstructing loop `loop` of `kind` in a kernel, and the packed
+    planes it reads, each once (a run of loops in one format is one plane).
+
+    Returns (steps, planes): steps ((format, axis, group_size, plane, level), ...) in the
+    order of `PagedCacheConfig.chain`: the first is loop 0 or the last loop stored absolute
+    at or before `loop` (decoded alone), every later one a delta; plane indexes `planes`;
+    level is the loop's index on that plane's loop axis (None for the base plane [P, ...]).
+    Adaptive-exit caches (chains from loop 0 through absolute loops) are not planned here."""
+    config = cache.config
+    index: dict = {}
+    planes, steps = [], []
+    for i in config.chain(kind, loop):
+        field, run, level = config.plane_of(kind, i)
+        if (field, run) not in index:
+            index[field, run] = len(planes)
+            planes.append(cache.loop_plane(kind, i)[0])
+        args = config.loop_pack_args(kind, i)
+        steps.append((args["format"], args["axis"], args["group_size"], index[field, run], level))
+    return tuple(steps), planes
+
+
+def reconstruct_tile(steps, load, dtype, *, rotated: bool = False, interpret: bool):
+    """One (page, head) tile of a loop through its chain, in `dtype`, as the XLA path's
+    `decode_pages`: the first step decoded alone, each later delta added in the cache dtype
+    (`add_in_dtype_tile`). steps: from `chain_steps`; load(fmt, plane, lead) -> the tile's
+    `decode_tile` arrays, lead () for a base plane or (level,) for a plane with a loop
+    axis. rotated (every step a rotated format): float32 rows still in the rotated space, the
+    steps summed in float32 (`decode_pages(rotated=True)`)."""
+    recon = None
+    for fmt, axis, group_size, plane, level in steps:
+        lead = () if level is None else (level,)
+        values = decode_tile(fmt, axis, group_size, load(fmt, plane, lead), interpret=interpret)
+        if rotated:
+            recon = values if recon is None else _exact.add(recon, values, interpret=interpret)
+        elif recon is None:
+            recon = values.astype(dtype)
+        else:
+            recon = add_in_dtype_tile(recon, values, dtype, interpret=interpret)
+    return recon

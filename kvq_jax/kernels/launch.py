@@ -16,7 +16,8 @@ sm_90a and sm_120a (ptxas 13.5; `kvq_jax.kernel_checks.cuda_compile`, docs/kerne
   page reconstruct page_size * head_dim / 1024 warps (32 tile elements per thread), at least
                    4; 1 stage (one tile per program). 2 warps spilled up to 26 KB.
   paged attention  group G = Hq / H < 8 (scores as a broadcast multiply-sum): 4 warps, 2
-                   stages. G >= 8 (scores with FMA dots at HIGHEST precision): 1 stage and 8
+                   stages; 8 warps above page_size * head_dim = 4096 (4 warps reached 255
+                   registers and spilled 4 bytes on sm_80 for [64, 128] HINT4 tiles). G >= 8 (scores with FMA dots at HIGHEST precision): 1 stage and 8
                    warps at head_dim <= 64, 16 at 128 and more (4 warps reached 255 registers
                    and spilled; 2 stages sent ptxas into 32-register allocations, ~20 KB of
                    spills). The split count does not change registers.
@@ -35,6 +36,9 @@ RECONSTRUCT_ELEMENTS_PER_THREAD = 32
 RECONSTRUCT_MIN_WARPS = 4
 #: Page-pack tiles of at least this many elements (page_size * head_dim) take 8 warps.
 PACK_WIDE_TILE = 4096
+#: Attention tiles (page_size * head_dim) above this many elements take 8 warps with
+#: broadcast scores.
+ATTENTION_WIDE_TILE = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +78,13 @@ def page_reconstruct(page_size: int, head_dim: int) -> Launch:
     return Launch(num_warps=max(RECONSTRUCT_MIN_WARPS, min(warps, 32)), num_stages=1)
 
 
-def paged_attention(group: int, head_dim: int) -> Launch:
-    """The attention kernel's launch for `group` query heads per KV head of `head_dim`."""
+def paged_attention(group: int, head_dim: int, page_size: int) -> Launch:
+    """The attention kernel's launch for `group` query heads per KV head of `head_dim` and
+    pages of `page_size` tokens. Broadcast scores (G < DOT_MIN_GROUP) on tiles of more than
+    ATTENTION_WIDE_TILE elements take 8 warps: at 4 warps a [64, 128] tile reached 255
+    registers and spilled 4 bytes on sm_80 (HINT4 values, 4 loops)."""
     if group >= DOT_MIN_GROUP:
         return Launch(num_warps=8 if head_dim <= 64 else 16, num_stages=1)
+    if page_size * head_dim > ATTENTION_WIDE_TILE:
+        return Launch(num_warps=8, num_stages=2)
     return Launch(num_warps=4, num_stages=2)

@@ -14,6 +14,7 @@ from kvq_jax.core.cache_config import resolve_paged
 from kvq_jax.kernel_checks.arg_specs import page_pack as pack_specs
 from kvq_jax.kernel_checks.arg_specs import page_reconstruct as reconstruct_specs
 from kvq_jax.kernels import launch
+from kvq_jax.kernels._tile_decode import chain_steps
 from kvq_jax.kernels.jax_compat import lower_for_gpu
 from kvq_jax.kernels.launch import Launch
 from kvq_jax.kernels.page_pack import api as pack_api
@@ -30,12 +31,11 @@ def _lowered_params(text: str) -> tuple[int, int]:
 
 
 def _lower_reconstruct(spec, launch_):
-    cache = spec.abstract_cache()
+    steps, planes = chain_steps(spec.abstract_cache(), "key", spec.loop)
     fn = functools.partial(
-        reconstruct_kernel.decode_pages, loop=spec.loop, interpret=False, launch=launch_
+        reconstruct_kernel.decode_pages, steps=steps, interpret=False, launch=launch_
     )
-    args = (cache.k_base, cache.k_delta if spec.loop else None, spec.page_ids(8))
-    return lower_for_gpu(fn, *args).as_text()
+    return lower_for_gpu(fn, tuple(planes), spec.page_ids(8)).as_text()
 
 
 def test_rules():
@@ -44,9 +44,10 @@ def test_rules():
     assert launch.page_pack(32, 128, "nvfp4") == Launch(16, 1)
     assert launch.page_reconstruct(16, 64) == Launch(4, 1)  # at least 4 warps
     assert launch.page_reconstruct(64, 128) == Launch(8, 1)  # 32 tile elements per thread
-    assert launch.paged_attention(1, 128) == Launch(4, 2)  # broadcast scores (Ouro: G = 1)
-    assert launch.paged_attention(8, 64) == Launch(8, 1)  # dot path
-    assert launch.paged_attention(16, 128) == Launch(16, 1)
+    assert launch.paged_attention(1, 128, 32) == Launch(4, 2)  # broadcast scores (Ouro: G = 1)
+    assert launch.paged_attention(1, 128, 64) == Launch(8, 2)  # wide tiles
+    assert launch.paged_attention(8, 64, 64) == Launch(8, 1)  # dot path
+    assert launch.paged_attention(16, 128, 16) == Launch(16, 1)
 
 
 def test_auto_launch_and_override_reach_the_kernel():

@@ -32,6 +32,7 @@ from kvq_jax.cache.paged_cache import PagedCacheConfig, append, decode_pages, in
 from kvq_jax.kernel_checks.arg_specs import page_reconstruct as arg_specs
 from kvq_jax.kernels import _exact
 from kvq_jax.kernels import backend as kernel_backend
+from kvq_jax.kernels._tile_decode import chain_steps
 from kvq_jax.kernels.jax_compat import lower_for_gpu
 from kvq_jax.kernels.page_reconstruct import api, config_support, pallas_triton
 from kvq_jax.kernels.page_reconstruct import xla as page_reconstruct_xla
@@ -112,9 +113,11 @@ class ReconstructBase:
             got = self.run(spec, kind, loop)
             assert got.shape == (len(PAGES), spec.page_size, spec.num_heads, spec.head_dim)
             assert_same_values(got, ref, f"{spec.name} {kind} loop {loop}")
-            # The data reach the cases they are meant to: NaN in loop >= 1 of page 3, exact
-            # signed zeros in the all-zero base page.
-            if loop >= 1:
+            # The data reach the cases they are meant to: NaN in loop 1 of page 3 (carried by
+            # the loops whose chain reads loop 1), exact signed zeros in the all-zero base page.
+            absolute = spec.k_absolute if kind == "key" else spec.v_absolute
+            start = max((a for a in absolute if a <= loop), default=0)
+            if start <= 1 <= loop:
                 assert np.isnan(ref[3].astype(np.float32)).any()
             if loop == 0:  # only NVFP4 keeps -0.0 (INT4 / FP8 store +0 minimum / codes)
                 zeros = ref[2].astype(np.float32)
@@ -235,6 +238,21 @@ def test_reference_catches_a_planted_defect(monkeypatch):
         jax.clear_caches()
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_per_loop_comparison_catches_a_kernel_ignoring_absolute_loops(monkeypatch):
+    """The interpret-mode comparison fails when the kernel reconstructs an absolute loop as
+    a delta chain from loop 0 (the chain planned as if no loop were stored absolute)."""
+
+    def as_deltas(cache, kind, loop):
+        config = dataclasses.replace(cache.config, k_absolute=(), v_absolute=())
+        return chain_steps(dataclasses.replace(cache, config=config), kind, loop)
+
+    monkeypatch.setattr(api, "chain_steps", as_deltas)
+    spec = arg_specs.PER_LOOP_SPECS[0]
+    got = decode_pages(filled(spec), "value", PAGES, loop=2, backend="pallas_interpret")
+    assert_same_values(got, reference(spec, "value", 2), "planted defect")
+
+
 class TestPallasInterpret(ReconstructBase):
     backend = "pallas_interpret"
 
@@ -294,16 +312,14 @@ def test_plain_float_op_check_has_a_positive_control():
 
 
 def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
-    cache = spec.abstract_cache()
-    base, delta = (cache.k_base, cache.k_delta) if kind == "key" else (cache.v_base, cache.v_delta)
-    delta = delta if loop else None
+    steps, planes = chain_steps(spec.abstract_cache(), kind, loop)
     if batch is None:
-        fn = functools.partial(pallas_triton.decode_pages, loop=loop, interpret=False)
+        fn = functools.partial(pallas_triton.decode_pages, steps=steps, interpret=False)
         pages = spec.page_ids(8)
     else:
-        fn = jax.vmap(api._batchable(loop, False, None), in_axes=(None, None, 0))
+        fn = jax.vmap(api._batchable(steps, False, None), in_axes=(None, 0))
         pages = jax.ShapeDtypeStruct((batch, 8), jnp.int32)
-    lowered = lower_for_gpu(fn, base, delta, pages)
+    lowered = lower_for_gpu(fn, tuple(planes), pages)
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text, "no Triton kernel in the lowered module"
     assert plain_float_ops(text) == set(), "plain float division / add in the kernel"
@@ -317,6 +333,17 @@ def test_lowers_for_cuda(spec):
     for kind in arg_specs.KINDS:
         assert config_support(spec.config(), kind) is None
         lower_for_cuda(spec, kind, spec.loop)
+
+
+@pytest.mark.parametrize(
+    "spec", arg_specs.PER_LOOP_SPECS, ids=[s.name for s in arg_specs.PER_LOOP_SPECS]
+)
+def test_per_loop_chains_lower_for_cuda(spec):
+    """Per-loop formats (INT2 included) and absolute loops: every loop of both kinds."""
+    for kind in arg_specs.KINDS:
+        assert config_support(spec.config(), kind) is None
+        for loop in range(spec.num_loops):
+            lower_for_cuda(spec, kind, loop)
 
 
 def test_lowers_for_cuda_loop0_and_vmap():
@@ -361,6 +388,8 @@ def test_errors():
         (dict(page_size=512, head_dim=128), "key", "exceeds"),
         (dict(v_group_size=48), "value", "group size 48 along channels"),
         (dict(k_group_size=2, page_size=6, num_loops=1), "key", "page_size 6"),
+        (dict(v_residual_format="hint4"), "value", "un-rotated one by one"),
+        (dict(k_residual_format="int2", head_dim=2, k_group_size=1), "key", "head_dim >= 4"),
     ],
 )
 def test_unsupported_configs(overrides, kind, reason):

@@ -38,6 +38,7 @@ import kvq_jax
 import kvq_jax.cache.paged_attention as public
 from kvq_jax.cache.paged_attention import dense_decode_attention
 from kvq_jax.cache.paged_cache import gather_batch
+from kvq_jax.codecs.formats.intb import register_table
 from kvq_jax.kernel_checks.arg_specs import paged_attention as arg_specs
 from kvq_jax.kernels import backend as kernel_backend
 from kvq_jax.kernels.jax_compat import lower_for_gpu
@@ -48,6 +49,10 @@ ON_GPU = kernel_backend.pallas_device_support() is None
 RTOL = ATOL = 2e-5
 GPU_RTOL = GPU_ATOL = 1e-4
 SPEC_IDS = [s.name for s in arg_specs.SPECS]
+#: loops-abs-v2442's schedule (per-loop INT2 / INT4 planes, absolute loops).
+PER_LOOP_SPEC = next(s for s in arg_specs.SPECS if s.name.startswith("abs-v2442"))
+#: Values in HINT4 / HINT2 (attended in the rotated space).
+ROTATED_SPEC = next(s for s in arg_specs.SPECS if s.name.startswith("hint4"))
 
 
 @functools.cache
@@ -133,6 +138,14 @@ class PagedAttentionBase:
         out, ref = self.run(spec, loop=0)
         assert_close(out, ref, "loop 0")
         assert not np.allclose(np.asarray(out), np.asarray(self.run(spec)[1]), atol=1e-3)
+
+    def test_every_loop_of_a_per_loop_cache(self):
+        """loops-abs-v2442's schedule: INT2 and INT4 planes, loops stored absolute, a delta
+        after an absolute loop; each loop against the independent reference."""
+        spec = PER_LOOP_SPEC
+        for loop in range(spec.num_loops):
+            out, ref = self.run(spec, loop=loop, num_splits=2)
+            assert_close(out, ref, f"loop {loop}")
 
 
 class TestXLA(PagedAttentionBase):
@@ -244,6 +257,53 @@ def test_block_pages_argument():
     assert_close(out, dense_out(spec), "block_pages=1 through the api")
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_per_loop_comparison_catches_a_kernel_ignoring_absolute_loops(monkeypatch):
+    """The interpret-mode comparison fails when the kernel reconstructs loop 2 of the values
+    (stored absolute) as a delta chain from loop 0."""
+    from kvq_jax.kernels._tile_decode import chain_steps
+
+    def as_deltas(cache, kind, loop):
+        config = dataclasses.replace(cache.config, k_absolute=(), v_absolute=())
+        return chain_steps(dataclasses.replace(cache, config=config), kind, loop)
+
+    monkeypatch.setattr(pallas_triton, "chain_steps", as_deltas)
+    jax.clear_caches()
+    try:
+        out, ref = TestPallasInterpret().run(PER_LOOP_SPEC, loop=2)
+        assert_close(out, ref, "planted defect")
+    finally:
+        jax.clear_caches()
+
+
+def test_rotated_values_of_a_bfloat16_cache():
+    """A bfloat16 HINT cache: the kernel attends in the rotated space as the XLA path does
+    (equal to float32 round-off); the reference rounds each un-rotated row to bfloat16
+    first, so it differs by that rounding only."""
+    spec = dataclasses.replace(ROTATED_SPEC, name=ROTATED_SPEC.name + "-bf16", dtype="bfloat16")
+    inp = inputs(spec)
+    outs = {
+        backend: api.paged_decode_attention(*inp.args(), loop=spec.loop, backend=backend)
+        for backend in ("pallas_interpret", "xla")
+    }
+    assert_close(outs["pallas_interpret"], outs["xla"], "kernel vs XLA path")
+    ref = reference_out(spec, spec.loop, tuple(np.asarray(inp.seq_lens).tolist()),
+                        tuple(range(spec.batch)))  # fmt: skip
+    assert_close(outs["pallas_interpret"], ref, "vs the reference", rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_rotated_comparison_catches_an_output_left_rotated(monkeypatch):
+    """The comparison fails when the kernel's output is not un-rotated."""
+    monkeypatch.setattr(pallas_triton, "unrotate", lambda x: x)
+    jax.clear_caches()
+    try:
+        out, ref = TestPallasInterpret().run(ROTATED_SPEC)
+        assert_close(out, ref, "planted defect")
+    finally:
+        jax.clear_caches()
+
+
 class TestPallasInterpret(PagedAttentionBase):
     backend = "pallas_interpret"
 
@@ -346,10 +406,10 @@ def test_unsupported_config_falls_back_or_raises():
 
 
 def test_config_support_reasons():
-    def reason(**kw):
+    def reason(loop=0, **kw):
         spec = dataclasses.replace(arg_specs.SPECS[0], name="x", **kw)
         s = arg_specs.input_shapes(spec)
-        return config_support(s.q, s.cache, s.block_tables)
+        return config_support(s.q, s.cache, s.block_tables, loop=loop)
 
     assert "head_dim = 48" in reason(head_dim=48)
     assert "head_dim = 16" in reason(head_dim=16)
@@ -357,6 +417,12 @@ def test_config_support_reasons():
     assert "group size 48" in reason(v_group_size=48)  # channel groups must divide D
     assert "query heads per KV head" in reason(q_heads=256, kv_heads=2)
     assert reason(head_dim=128, page_size=64) is None
+    assert "key loop 0 format 'hint4'" in reason(k_base_format="hint4")
+    mixed = dict(num_loops=3, v_base_format="hint4", v_residual_format=("hint4", "int4"))
+    assert reason(loop=1, **mixed) is None  # loops 0-1: rotated only
+    assert "mix Hadamard-rotated and plain" in reason(loop=2, **mixed)
+    assert reason(loop=2, v_absolute=(2,), **mixed) is None  # loop 2 read alone
+    assert "format 'intb" in reason(k_base_format=register_table(np.full((2, 64), 4)))
 
 
 def test_backend_selection_on_this_device():

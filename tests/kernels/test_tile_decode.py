@@ -4,7 +4,8 @@ bit (NaNs as NaN); `add_in_dtype_tile` equals `_numerics.add_in_dtype`.
 
 - `TileDecodeBase` runs per mode (subclasses: plain XLA ops outside a kernel, Pallas
   interpret mode): every format, INT4 groups along tokens (G 1, 4, 16) and channels (G 16,
-  64), NVFP4 along both axes, FP8; E4M3 arrays passed as uint8 bits and as float8; data with
+  64), INT2 along both axes, HINT4 / HINT2 (the rotated rows), NVFP4 along both axes, FP8;
+  E4M3 arrays passed as uint8 bits and as float8; data with
   signed zeros, tiny and subnormal values, large values, and NaN.
 - `e4m3_to_f32` over all 256 codes.
 - The non-interpret single-tile kernels lower for CUDA (Triton IR), on a CPU.
@@ -38,6 +39,9 @@ CASES = [
     ("int4", "tokens", 1, 16, 64, False),
     ("int4", "channels", 64, 16, 64, False),
     ("int4", "channels", 16, 64, 128, False),
+    ("int2", "tokens", 16, 16, 64, False),
+    ("int2", "tokens", 1, 32, 128, False),
+    ("int2", "channels", 32, 16, 64, False),
     ("nvfp4", "tokens", 16, 32, 64, False),
     ("nvfp4", "channels", 16, 16, 128, True),
     ("nvfp4", "channels", 16, 64, 64, False),

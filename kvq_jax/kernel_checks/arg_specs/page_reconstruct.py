@@ -7,10 +7,12 @@ planes, page geometry, loops, dtype, group sizes) and the loop to reconstruct. I
 Lists:
   FORMAT_PAIRS     every (base, residual) pair of int4 / nvfp4 / fp8_e4m3 (9)
   SUPPORTED_SPECS  every pair (as K or V) at every supported page geometry (page_size
-                   16/32/64 x head_dim 64/128), loop = num_loops - 1: the kernel builds for
-                   each (the GPU-lowering test)
+                   16/32/64 x head_dim 64/128), loop = num_loops - 1, and `V2442` (per-loop
+                   INT2 / INT4 planes, absolute loops) at two: the kernel builds for each
+                   (the GPU-lowering test)
   TEST_SPECS       small caches (tiny P and H) for interpret-mode tests: every format pair,
-                   several group sizes, H in {1, 2, 3}, bf16 / fp16 / fp32
+                   several group sizes, H in {1, 2, 3}, bf16 / fp16 / fp32, and
+  PER_LOOP_SPECS   per-loop formats (INT2 included) and loops stored absolute
   BENCH_SPECS      Ouro-like pages: H 16, D 128, pages 16 / 64, int4 / nvfp4 / mixed
 """
 
@@ -35,9 +37,9 @@ class ReconstructSpec:
     """One configuration of `reconstruct_pages` (see the module doc)."""
 
     k_base_format: str = "int4"
-    k_residual_format: str = "int4"
+    k_residual_format: str | tuple[str, ...] = "int4"  # a tuple: one format per later loop
     v_base_format: str = "int4"
-    v_residual_format: str = "int4"
+    v_residual_format: str | tuple[str, ...] = "int4"
     page_size: int = 16
     num_heads: int = 2
     head_dim: int = 64
@@ -47,12 +49,17 @@ class ReconstructSpec:
     k_group_size: int | None = None
     v_group_size: int | None = None
     num_pages: int = 4
+    k_absolute: tuple[int, ...] = ()  # later loops stored absolute
+    v_absolute: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
         groups = ""
         if self.k_group_size or self.v_group_size:
             groups = f"-g{self.k_group_size or ''}/{self.v_group_size or ''}"
+        for prefix, loops in (("Ka", self.k_absolute), ("Va", self.v_absolute)):
+            if loops:
+                groups += f"-{prefix}{''.join(map(str, loops))}"
         return (
             f"K{_short(self.k_base_format)}+{_short(self.k_residual_format)}"
             f"-V{_short(self.v_base_format)}+{_short(self.v_residual_format)}"
@@ -75,6 +82,8 @@ class ReconstructSpec:
             k_group_size=self.k_group_size,
             v_group_size=self.v_group_size,
             max_seqs=max_seqs,
+            k_absolute=self.k_absolute,
+            v_absolute=self.v_absolute,
         )
 
     def abstract_cache(self):
@@ -85,24 +94,26 @@ class ReconstructSpec:
     def page_ids(self, n: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((n,), jnp.int32)
 
-    def packed_page_bytes(self, kind: str, level: str) -> int:
-        """Bytes of one packed page of `kind` at `level` ("base" / "residual")."""
-        spec = self.config().pack_args(kind, level)
+    def packed_page_bytes(self, kind: str, loop: int) -> int:
+        """Bytes of one packed page of loop `loop` of `kind`."""
+        spec = self.config().loop_pack_args(kind, loop)
         shape = (self.page_size, self.num_heads, self.head_dim)
         return get_codec(spec["format"]).storage_bytes(shape, spec["axis"], spec["group_size"])
 
     def bytes_moved(self, kind: str, num_pages: int) -> int:
         """Bytes a one-pass reconstruction of `num_pages` pages of loop `loop` reads and
-        writes: the packed base page, `loop` packed residual pages and the output page."""
-        read = self.packed_page_bytes(kind, "base")
-        if self.loop:
-            read += self.loop * self.packed_page_bytes(kind, "residual")
+        writes: the packed page of every loop on its chain (`PagedCacheConfig.chain`) and the
+        output page."""
+        config = self.config()
+        read = sum(self.packed_page_bytes(kind, i) for i in config.chain(kind, self.loop))
         out = self.page_size * self.num_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
         return num_pages * (read + out)
 
 
-def _short(fmt: str) -> str:
-    return {"int4": "i4", "nvfp4": "nv", "fp8_e4m3": "f8"}[fmt]
+def _short(fmt: str | tuple[str, ...]) -> str:
+    if isinstance(fmt, tuple):
+        return "/".join(map(_short, fmt))
+    return {"int4": "i4", "int2": "i2", "nvfp4": "nv", "fp8_e4m3": "f8"}[fmt]
 
 
 def _pairs_as_specs(**geometry) -> list[ReconstructSpec]:
@@ -121,12 +132,24 @@ def _pairs_as_specs(**geometry) -> list[ReconstructSpec]:
     ]
 
 
+#: loops-abs-v2442's per-loop schedule: K INT2 in every loop, each absolute; V INT2 / INT4 /
+#: INT4 / INT2 with loops 1-2 absolute and loop 3 a delta.
+V2442 = dict(
+    k_base_format="int2", k_residual_format="int2", k_absolute=(1, 2, 3),
+    v_base_format="int2", v_residual_format=("int4", "int4", "int2"), v_absolute=(1, 2),
+)  # fmt: skip
+
 SUPPORTED_SPECS = tuple(
     spec
     for page_size, head_dim in itertools.product((16, 32, 64), (64, 128))
     for spec in _pairs_as_specs(
         page_size=page_size, head_dim=head_dim, num_heads=4, num_loops=4, loop=3
     )
+) + tuple(
+    ReconstructSpec(
+        page_size=page_size, head_dim=head_dim, num_heads=4, num_loops=4, loop=3, **V2442
+    )
+    for page_size, head_dim in ((16, 64), (64, 128))
 )
 
 TEST_SPECS = (
@@ -194,6 +217,29 @@ TEST_SPECS = (
         v_group_size=16,
     ),
 )
+
+#: Per-loop formats and loops stored absolute (`V2442`), and chains of deltas in two formats
+#: (keys after an INT4 base; values after an FP8 base, loop 2 absolute).
+PER_LOOP_SPECS = (
+    ReconstructSpec(
+        page_size=16, num_heads=2, head_dim=64, num_loops=4, loop=3, dtype="bfloat16", **V2442
+    ),
+    ReconstructSpec(
+        k_base_format="int4",
+        k_residual_format=("int2", "nvfp4"),
+        v_base_format="fp8_e4m3",
+        v_residual_format=("int4", "int2"),
+        page_size=32,
+        num_heads=3,
+        head_dim=128,
+        num_loops=3,
+        loop=2,
+        dtype="float16",
+        v_absolute=(2,),
+        k_group_size=16,
+    ),
+)
+TEST_SPECS += PER_LOOP_SPECS
 
 BENCH_FORMATS = {
     # name: (K base, K residual, V base, V residual)

@@ -44,14 +44,16 @@ class PagedAttentionSpec:
     num_loops: int = 1
     loop: int = 0
     k_base_format: str = "int4"
-    k_residual_format: str = "int4"
+    k_residual_format: str | tuple[str, ...] = "int4"  # a tuple: one format per later loop
     v_base_format: str = "int4"
-    v_residual_format: str = "int4"
+    v_residual_format: str | tuple[str, ...] = "int4"
     k_group_size: int | None = None
     v_group_size: int | None = None
     sink: int = 0
     dtype: str = "float32"
     ragged: bool = True
+    k_absolute: tuple[int, ...] = ()  # later loops stored absolute
+    v_absolute: tuple[int, ...] = ()
 
     @property
     def group(self) -> int:
@@ -98,6 +100,8 @@ class PagedAttentionSpec:
             v_group_size=self.v_group_size,
             sink=self.sink,
             max_seqs=self.batch,
+            k_absolute=self.k_absolute,
+            v_absolute=self.v_absolute,
         )
 
 
@@ -121,6 +125,13 @@ def _spec(name, batch, hq, h, d, ps, ctx, **kw) -> PagedAttentionSpec:
     )
 
 
+#: loops-abs-v2442's per-loop schedule: K INT2 in every loop, each absolute; V INT2 / INT4 /
+#: INT4 / INT2 with loops 1-2 absolute and loop 3 a delta.
+V2442 = dict(
+    k_base_format="int2", k_residual_format="int2", k_absolute=(1, 2, 3),
+    v_base_format="int2", v_residual_format=("int4", "int4", "int2"), v_absolute=(1, 2),
+)  # fmt: skip
+
 #: Small configurations the tests run in interpret mode (each a case of the test matrix).
 # fmt: off
 SPECS: tuple[PagedAttentionSpec, ...] = (
@@ -137,6 +148,15 @@ SPECS: tuple[PagedAttentionSpec, ...] = (
     _spec("mixed-fp8-nvfp4-p64-d64-loop1-sink5-f16", 2, 2, 1, 64, 64, 150, num_loops=2, loop=1,
           k_residual_format="fp8_e4m3", v_base_format="nvfp4", k_group_size=32, sink=5,
           dtype="float16"),
+    # Values in HINT4 with HINT2 deltas (attended in the rotated space: staging and sink rows
+    # rotated, the output un-rotated), GQA 3 (SmolLM2's), sink 3; float32, where attending in
+    # the rotated space agrees with the reference to float32 round-off (a bfloat16 cache
+    # rounds each un-rotated row first, FORMAT.md 2c).
+    _spec("hint4-gqa3-p16-d64-loop1-sink3", 2, 6, 2, 64, 16, 70, num_loops=2, loop=1,
+          v_base_format="hint4", v_residual_format="hint2", sink=3),
+    # loops-abs-v2442's schedule, GQA 2, attending loop 3 (chain: V loop 2 + a delta).
+    _spec("abs-v2442-gqa2-p16-d64-loop3-bf16", 2, 4, 2, 64, 16, 50, num_loops=4, loop=3,
+          dtype="bfloat16", **V2442),
 )
 # fmt: on
 
@@ -167,6 +187,12 @@ LOWERING_SPECS: tuple[PagedAttentionSpec, ...] = (
           k_base_format="fp8_e4m3", dtype="bfloat16"),
     _spec("int4-gqa16-p64-d64-sink4", 2, 32, 2, 64, 64, 2048, num_loops=2, loop=1, sink=4,
           dtype="bfloat16"),
+    _spec("ouro-hint4-b8-ctx4096-p64-loop3", 8, 16, 16, 128, 64, 4096, num_loops=4, loop=3,
+          v_base_format="hint4", v_residual_format="hint4", dtype="bfloat16", ragged=False),
+    _spec("ouro-abs-v2442-b8-ctx4096-p64-loop3", 8, 16, 16, 128, 64, 4096, num_loops=4, loop=3,
+          dtype="bfloat16", ragged=False, **V2442),
+    _spec("ouro-abs-v2442-b8-ctx4096-p16-loop1", 8, 16, 16, 128, 16, 4096, num_loops=4, loop=1,
+          dtype="bfloat16", ragged=False, **V2442),
 )
 # fmt: on
 
@@ -277,6 +303,8 @@ def random_inputs(spec: PagedAttentionSpec, seed: int = 0) -> Inputs:
     def fill(plane, packed):
         if packed is None:
             return None
+        if isinstance(packed, tuple):  # per-loop runs of later loops
+            return tuple(fill(16 * plane + r + 1, run) for r, run in enumerate(packed))
         arrays = {}
         for i, (name, a) in enumerate(codec_view(packed).arrays.items()):
             sub = jax.random.fold_in(key, 16 * plane + i)

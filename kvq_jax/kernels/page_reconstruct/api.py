@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvq_jax.codecs.cache_state import check_cache, planes
+from kvq_jax.codecs.cache_state import check_cache
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.layouts import check_kind
 from kvq_jax.kernels import launch as _launch
+from kvq_jax.kernels._tile_decode import ROTATED, chain_steps
 from kvq_jax.kernels.backend import resolve_backend
 from kvq_jax.kernels.page_reconstruct import pallas_triton, xla
 from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS
@@ -34,9 +35,12 @@ def _power_of_two(n: int) -> bool:
 def config_support(config: PagedCacheConfig, kind: str) -> str | None:
     """None when the Pallas kernel takes `kind` of caches with `config`, else the reason.
 
-    Supported: page_size and head_dim powers of two (head_dim >= 2, page_size * head_dim <=
-    2**15), any H, L, dtype; every format; INT4 group sizes that are powers of two dividing
-    page_size (axis "tokens") or head_dim (axis "channels").
+    Supported: page_size and head_dim powers of two (head_dim >= 2, >= 4 with INT2,
+    page_size * head_dim <= 2**15), any H, L, dtype; INT4, INT2, NVFP4 and FP8 E4M3 in any
+    loop (per-loop formats and loops stored absolute included); INT4 / INT2 group sizes that
+    are powers of two dividing page_size (axis "tokens") or head_dim (axis "channels").
+    Declined: HINT4 / HINT2 (rows un-rotated on the XLA path), adaptive exits, INTB, heavy
+    rows.
     """
     if not isinstance(config, PagedCacheConfig):
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
@@ -50,24 +54,25 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
         return f"page_size * head_dim = {ps * d} exceeds {MAX_TILE_ELEMENTS} elements per tile"
     if config.adaptive_exit:
         return "adaptive-exit caches (their depth map) are served by the XLA path"
-    if config.per_loop(kind):
-        return (
-            f"the later loops of {kind}s differ in format or are stored absolute "
-            "(PagedCacheConfig.per_loop): served by the XLA path"
-        )
-    levels = ("base", "residual") if config.num_loops > 1 else ("base",)
-    for level in levels:
-        args = config.pack_args(kind, level)
+    for loop in range(config.num_loops):
+        args = config.loop_pack_args(kind, loop)
         fmt, axis, group = args["format"], args["axis"], args["group_size"]
         if fmt not in FIELDS:
-            return f"{kind} {level} format {fmt!r} has no kernel decoder"
+            return f"{kind} loop {loop} format {fmt!r} has no kernel decoder"
+        if fmt in ROTATED:
+            return (
+                f"{kind} loop {loop} format {fmt!r}: rows are un-rotated one by one on the XLA "
+                "path (decode attention's kernel reads them in the rotated space)"
+            )
+        if fmt == "int2" and d < 4:
+            return f"head_dim {d}: INT2 tiles need head_dim >= 4 (four codes per byte)"
         if fmt == "fp8_e4m3":
             continue
         length = ps if axis == "tokens" else d
         if not _power_of_two(group) or group > length:
             return (
-                f"{kind} {level} {fmt} group size {group} along {axis} must be a power of two "
-                f"dividing {length}"
+                f"{kind} loop {loop} {fmt} group size {group} along {axis} must be a power of "
+                f"two dividing {length}"
             )
     return None
 
@@ -83,23 +88,23 @@ def _check_pages(pages):
 
 
 @functools.cache
-def _batchable(loop: int, interpret: bool, launch):
+def _batchable(steps: tuple, interpret: bool, launch):
     """The kernel call with a vmap rule: batched page ids (e.g. `gather_batch`) flatten into
     one longer grid; a batched cache runs one call per batch entry."""
 
     @jax.custom_batching.custom_vmap
-    def call(base, delta, pages):
+    def call(planes, pages):
         return pallas_triton.decode_pages(
-            base, delta, pages, loop=loop, interpret=interpret, launch=launch
+            planes, pages, steps=steps, interpret=interpret, launch=launch
         )
 
     @call.def_vmap
-    def _rule(axis_size, in_batched, base, delta, pages):
-        base_b, delta_b, pages_b = in_batched
-        if not any(jax.tree.leaves((base_b, delta_b))):
+    def _rule(axis_size, in_batched, planes, pages):
+        planes_b, pages_b = in_batched
+        if not any(jax.tree.leaves(planes_b)):
             if not pages_b:
                 pages = jnp.broadcast_to(pages, (axis_size, *pages.shape))
-            out = call(base, delta, pages.reshape(-1))
+            out = call(planes, pages.reshape(-1))
             return out.reshape(axis_size, pages.shape[1], *out.shape[1:]), True
 
         def bcast(tree, batched):
@@ -109,7 +114,7 @@ def _batchable(loop: int, interpret: bool, launch):
                 batched,
             )
 
-        args = (bcast(base, base_b), bcast(delta, delta_b), bcast(pages, pages_b))
+        args = (bcast(planes, planes_b), bcast(pages, pages_b))
         return lax.map(lambda a: call(*a), args), True
 
     return call
@@ -123,11 +128,11 @@ def dispatch(cache, kind: str, pages, *, loop: int, backend: str, launch=None):
         return xla.decode_pages(
             cache.loop_chain(kind, loop), pages, depth=cache.depth, layer=cache.layer
         )
-    base, delta = planes(cache, kind)
+    steps, planes = chain_steps(cache, kind, loop)
     if launch is None:
         launch = _launch.page_reconstruct(config.page_size, config.head_dim)
-    call = _batchable(loop, impl == "pallas_interpret", launch)
-    return call(base, delta if loop else None, pages)
+    call = _batchable(steps, impl == "pallas_interpret", launch)
+    return call(tuple(planes), pages)
 
 
 def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto", launch=None):
@@ -144,8 +149,10 @@ def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto", l
       launch: the kernel's `kvq_jax.kernels.launch.Launch` (None: the rule of
         `kvq_jax.kernels.launch.page_reconstruct`); ignored by XLA.
 
-    Each page is its base decoded, then loop by loop its delta decoded and added in the cache
-    dtype (`decode_residual`); every backend gives the same bytes (decoded NaNs as NaN).
+    Each page is the first plane of the loop's chain decoded (loop 0's base, or the last loop
+    stored absolute at or before `loop`), then loop by loop a delta decoded and added in the
+    cache dtype (`decode_residual`) or an absolute loop's rows in its place; every backend
+    gives the same bytes (decoded NaNs as NaN).
     Pages as stored: the keys of a pre-RoPE cache (`PagedCacheConfig.rope_theta`) come back
     before RoPE (`gather` and decode attention put it back at the rows' positions).
     """

@@ -1,12 +1,14 @@
 """Pallas kernel (Triton backend; interpret mode anywhere): loop `l` of paged KV in one pass.
 
 Grid (N, H): program (i, h) reads physical page `pages[i]` (loaded inside the kernel; the
-packed planes are whole-array refs indexed with that id), head h: the base (loop 0) tile and
-the residual tiles of loops 1..l of that page, and writes loop l's tile [page_size, D] in the
-cache dtype. The running reconstruction stays in registers; after each residual step it is
-rounded to the cache dtype exactly as `decode_residual` (`add_in_dtype`) does, so the output
-is bit for bit `kvq_jax.cache.paged_cache.decode_pages` (NaNs compared as NaN). Intermediate loops
-are never written to memory.
+packed planes are whole-array refs indexed with that id), head h: the tiles of that page on
+loop l's chain (`PagedKVCache.loop_chain`: loop 0 or the last loop stored absolute at or
+before l, then every later loop up to l, each plane in its own format), and writes loop l's
+tile [page_size, D] in the cache dtype. The running reconstruction stays in registers; an
+absolute loop replaces it, a delta is added and rounded to the cache dtype exactly as
+`decode_residual` (`add_in_dtype`) does, so the output is bit for bit
+`kvq_jax.cache.paged_cache.decode_pages` (NaNs compared as NaN). Intermediate loops are never
+written to memory.
 
 E4M3 arrays (NVFP4 block scales, FP8 codes) are bitcast to uint8 in XLA before the call and
 decoded from their bits in the kernel (`_tile_decode.e4m3_to_f32`), so no fp8 convert
@@ -42,59 +44,48 @@ def _plane_arrays(packed) -> list:
     return [_as_bits(getattr(packed, f)) for f in FIELDS[packed.format]]
 
 
-def _kernel(ids_ref, *refs, base_plan, delta_plan, loop, dtype, interpret):
+def _kernel(ids_ref, *refs, steps, fields, dtype, interpret):
     *in_refs, out_ref = refs
-    base_fmt, base_axis, base_group = base_plan
-    nb = len(FIELDS[base_fmt])
-    base_refs, delta_refs = in_refs[:nb], in_refs[nb:]
+    plane_refs, at = [], 0
+    for n in fields:  # each plane's refs, in `_plane_arrays` order
+        plane_refs.append(in_refs[at : at + n])
+        at += n
     i, h = pl.program_id(0), pl.program_id(1)
     page = ids_ref[i]
-    tile = _tile_decode.load_tile(base_fmt, base_refs, (), page, h)
-    values = _tile_decode.decode_tile(base_fmt, base_axis, base_group, tile, interpret=interpret)
-    recon = values.astype(dtype)
-    if loop:
-        delta_fmt, delta_axis, delta_group = delta_plan
-        for r in range(loop):  # static: loops 1..loop, unrolled
-            tile = _tile_decode.load_tile(delta_fmt, delta_refs, (r,), page, h)
-            delta = _tile_decode.decode_tile(
-                delta_fmt, delta_axis, delta_group, tile, interpret=interpret
-            )
-            recon = _tile_decode.add_in_dtype_tile(recon, delta, dtype, interpret=interpret)
-    out_ref[...] = recon
+
+    def load(fmt, plane, lead):
+        return _tile_decode.load_tile(fmt, plane_refs[plane], lead, page, h)
+
+    out_ref[...] = _tile_decode.reconstruct_tile(steps, load, dtype, interpret=interpret)
 
 
-def _plan(packed):
-    return (packed.format, packed.axis, packed.group_size)
+@functools.partial(jax.jit, static_argnames=("steps", "interpret", "launch"))
+def decode_pages(planes, pages, *, steps, interpret: bool = False, launch=None):
+    """One loop of physical pages `pages` (int32 [N]) -> [N, page_size, H, D].
 
-
-@functools.partial(jax.jit, static_argnames=("loop", "interpret", "launch"))
-def decode_pages(base, delta, pages, *, loop: int, interpret: bool = False, launch=None):
-    """Loop `loop` of physical pages `pages` (int32 [N]) -> [N, page_size, H, D].
-
-    base: PackedKV with batch shape (P,) (loop 0 of every page); delta: PackedKV with batch
-    shape (L - 1, P) or None (needed when loop > 0). Page ids are normalized as XLA indexing
-    does (negative ids wrap once, then clamp to [0, P)), so out-of-range ids read the same
-    page as the reference instead of stray memory. launch: the Triton launch parameters
-    (None: `kvq_jax.kernels.launch.page_reconstruct`).
+    planes: the packed planes the loop's chain reads (`_tile_decode.chain_steps`): a base
+    plane has batch shape (P,), a later-loop plane (loops, P); steps: the chain's static plan
+    (same function). Page ids are normalized as XLA indexing does (negative ids wrap once,
+    then clamp to [0, P)), so out-of-range ids read the same page as the reference instead
+    of stray memory. launch: the Triton launch parameters (None:
+    `kvq_jax.kernels.launch.page_reconstruct`).
     """
-    ps, h, d = base.shape
-    dtype = np.dtype(base.dtype)
-    num_pages = base.codes.shape[0]
+    first = planes[0]
+    ps, h, d = first.shape
+    dtype = np.dtype(first.dtype)
+    num_pages = first.codes.shape[-4]  # codes [..., P, rows, H, cols]
     pages = jnp.asarray(pages, jnp.int32)
     n = pages.shape[0]
     if n == 0:
         return jnp.zeros((0, ps, h, d), dtype)
     pages = jnp.clip(jnp.where(pages < 0, pages + num_pages, pages), 0, num_pages - 1)
-    args = [pages, *_plane_arrays(base)]
-    delta_plan = None
-    if loop:
-        args += _plane_arrays(delta)
-        delta_plan = _plan(delta)
+    args = [pages]
+    for plane in planes:
+        args += _plane_arrays(plane)
     kernel = functools.partial(
         _kernel,
-        base_plan=_plan(base),
-        delta_plan=delta_plan,
-        loop=loop,
+        steps=steps,
+        fields=tuple(len(FIELDS[plane.format]) for plane in planes),
         dtype=dtype,
         interpret=interpret,
     )

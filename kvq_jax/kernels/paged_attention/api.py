@@ -28,6 +28,7 @@ from kvq_jax.codecs.cache_state import check_cache
 from kvq_jax.core import checks
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels import launch as _launch
+from kvq_jax.kernels._tile_decode import ROTATED
 from kvq_jax.kernels.paged_attention import pallas_triton, xla
 
 #: Head dims and page sizes the kernel takes (powers of two: Triton block shapes; D >= 32
@@ -49,8 +50,12 @@ def _is_pow2(n: int) -> bool:
 def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
                    return_lse: bool = False) -> str | None:  # fmt: skip
     """None when the kernel takes this call's configuration, else why not (naming the
-    argument). Reads shapes and static metadata only (ShapeDtypeStructs will do)."""
-    del block_tables, loop
+    argument). Reads shapes and static metadata only (ShapeDtypeStructs will do).
+
+    Formats: INT4, INT2, NVFP4, FP8 E4M3 in any loop (per-loop formats, absolute loops), and
+    values in HINT4 / HINT2 when every plane the attended loop's value chain reads is rotated
+    (attended in the rotated space, as the XLA path does)."""
+    del block_tables
     config = cache.config
     if return_lse:
         return "return_lse: the kernel returns the output only (the XLA path returns both)"
@@ -68,22 +73,29 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
     if group > MAX_GROUP:
         return f"q: {group} query heads per KV head exceed the kernel's {MAX_GROUP}"
     for kind in ("key", "value"):
-        if config.per_loop(kind):
-            return (
-                f"cache.config: the later loops of {kind}s differ in format or are stored "
-                "absolute (PagedCacheConfig.per_loop): served by the XLA path"
-            )
-        for level in ("base", "residual"):
-            args = config.pack_args(kind, level)
+        for i in range(config.num_loops):
+            args = config.loop_pack_args(kind, i)
             fmt, g, axis = args["format"], args["group_size"], args["axis"]
             if fmt not in pallas_triton.FIELDS:
-                return f"cache.config: {kind} {level} format {fmt!r} has no kernel decoder"
-            length = ps if axis == "tokens" else d
-            if not _is_pow2(g) or length % g:
+                return f"cache.config: {kind} loop {i} format {fmt!r} has no kernel decoder"
+            if kind == "key" and fmt in ROTATED:
                 return (
-                    f"cache.config: {kind} {level} {fmt} group size {g} along "
+                    f"cache.config: key loop {i} format {fmt!r}: the kernel attends only "
+                    "values in the rotated space (XLA path)"
+                )
+            length = ps if axis == "tokens" else d
+            if fmt != "fp8_e4m3" and (not _is_pow2(g) or length % g):
+                return (
+                    f"cache.config: {kind} loop {i} {fmt} group size {g} along "
                     f"{axis} must be a power of two dividing {length} (Triton tile shapes)"
                 )
+    if isinstance(loop, int) and 0 <= loop < config.num_loops:
+        chain = {config.loop_format("value", i) in ROTATED for i in config.chain("value", loop)}
+        if len(chain) > 1:
+            return (
+                f"cache.config: loop {loop}'s values mix Hadamard-rotated and plain formats "
+                "(XLA path)"
+            )
     del num_splits
     return None
 

@@ -8,8 +8,9 @@ the attended pages ceil(seq_len / page_size):
   - a page complete in the cache (page i with (i + 1) * page_size <= stored length): its
     physical id is a scalar load from the block table; the K and V tiles [page_size, D] of
     its KV head are dequantized (`_tile_decode.decode_tile`, bit-exact with the codecs),
-    rounded to the cache dtype and taken through the residual chain up to `loop`
-    (`add_in_dtype_tile` per delta plane, the rounding of `decode_residual`), so the values
+    rounded to the cache dtype and taken through the loop chain up to `loop`
+    (`_tile_decode.reconstruct_tile`: per-loop formats, an absolute loop's rows replacing
+    the reconstruction, a delta added with the rounding of `decode_residual`), so the values
     attended are exactly `gather_batch`'s;
   - the partial page (i == stored // page_size) comes from the staging rows (raw, cache dtype);
   - positions < sink come from the raw sink rows (padded to whole pages outside the kernel);
@@ -35,18 +36,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kvq_jax.codecs.formats.hadamard import rotate, unrotate
 from kvq_jax.core import registry
+from kvq_jax.kernels import _tile_decode
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import add_in_dtype_tile, decode_tile
+from kvq_jax.kernels._tile_decode import chain_steps, reconstruct_tile
+from kvq_jax.kernels.page_reconstruct.xla import rotated_chain
 
 #: Query heads per KV head from which scores use pltriton.dot (Triton dots need M, N, K >= 16).
 DOT_MIN_GROUP = _launch.DOT_MIN_GROUP
 #: PackedKV array fields per format, in the order the kernel takes them.
-FIELDS = {
-    "int4": ("codes", "minimum", "scale"),
-    "nvfp4": ("codes", "block_scale", "global_scale"),
-    "fp8_e4m3": ("codes", "scale"),
-}
+FIELDS = _tile_decode.FIELDS
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -108,16 +108,17 @@ def _load_tile(ref, prefix: tuple, page, head):
     return _unwiden(tile) if ref.dtype == jnp.uint16 else tile
 
 
-def _kernel(*refs, planes, loop, dtype, page_size, pages_per_split, use_dot, sink, interpret):
-    """planes: {"key"/"value": ((fmt, axis, group_size, n_arrays) base, (...) residual)}."""
+def _kernel(*refs, chains, rotated, stage_loop, dtype, page_size, pages_per_split, use_dot, sink,
+            interpret):  # fmt: skip
+    """chains: {"key"/"value": (steps, arrays per plane)}: each kind's loop chain
+    (`_tile_decode.chain_steps`) and how many refs each of its planes takes. rotated: the
+    values are attended in the rotated space (their staging and sink rows come rotated,
+    float32). stage_loop: {kind: the loop index of the staging rows handed over}."""
     it = iter(refs)
     q_ref, tab_ref, lens_ref, stored_ref, sid_ref = (next(it) for _ in range(5))
-    plane_refs = {}
-    for kind in ("key", "value"):
-        plane_refs[kind, "base"] = [next(it) for _ in range(planes[kind][0][3])]
-    if loop:
-        for kind in ("key", "value"):
-            plane_refs[kind, "residual"] = [next(it) for _ in range(planes[kind][1][3])]
+    plane_refs = {
+        kind: [[next(it) for _ in range(n)] for n in chains[kind][1]] for kind in ("key", "value")
+    }
     stage_refs = {"key": next(it), "value": next(it)}
     sink_refs = {"key": next(it), "value": next(it)} if sink else None
     acc_ref, m_ref, l_ref = next(it), next(it), next(it)
@@ -129,20 +130,15 @@ def _kernel(*refs, planes, loop, dtype, page_size, pages_per_split, use_dot, sin
     rows, d = q.shape
     scale = jnp.float32(1.0 / math.sqrt(d))
 
-    def decode(kind, level, prefix, page):
-        fmt, axis, group_size, _ = planes[kind][0 if level == "base" else 1]
-        refs_ = plane_refs[kind, level]
-        arrays = {
-            name: _load_tile(r, prefix, page, h) for name, r in zip(FIELDS[fmt], refs_, strict=True)
-        }
-        return decode_tile(fmt, axis, group_size, arrays, interpret=interpret)
-
     def reconstruct(kind, page):
-        x = decode(kind, "base", (), page).astype(dtype)
-        for r in range(loop):
-            delta = decode(kind, "residual", (r,), page)
-            x = add_in_dtype_tile(x, delta, dtype, interpret=interpret)
-        return x
+        def load(fmt, plane, lead):
+            refs_ = plane_refs[kind][plane]
+            return {
+                n: _load_tile(r, lead, page, h) for n, r in zip(FIELDS[fmt], refs_, strict=True)
+            }
+
+        rot = rotated and kind == "value"
+        return reconstruct_tile(chains[kind][0], load, dtype, rotated=rot, interpret=interpret)
 
     def with_sink(kind, i, x):
         if not sink:
@@ -187,8 +183,8 @@ def _kernel(*refs, planes, loop, dtype, page_size, pages_per_split, use_dot, sin
 
     def partial_page(carry):
         i = stored // ps
-        k = with_sink("key", i, stage_refs["key"][loop, sid, :, h, :])
-        v = with_sink("value", i, stage_refs["value"][loop, sid, :, h, :])
+        k = with_sink("key", i, stage_refs["key"][stage_loop["key"], sid, :, h, :])
+        v = with_sink("value", i, stage_refs["value"][stage_loop["value"], sid, :, h, :])
         return attend(i, k, v, carry)
 
     attended = (seq_len + ps - 1) // ps
@@ -255,29 +251,33 @@ def paged_decode_attention(
     tables = jnp.clip(tables, 0, config.num_pages - 1)
     stored = cache.seq_lens[loop][slots]
 
-    planes, arrays = {}, []
-    for kind, prefix in (("key", "k"), ("value", "v")):
-        desc = []
-        for level in ("base", "residual"):
-            args = config.pack_args(kind, level)
-            n = len(FIELDS[args["format"]])
-            desc.append((args["format"], args["axis"], args["group_size"], n))
-        planes[kind] = tuple(desc)
-        arrays += _plane_arrays(getattr(cache, f"{prefix}_base"))
-    if loop:
-        arrays += _plane_arrays(cache.k_delta) + _plane_arrays(cache.v_delta)
-    arrays += [cache.k_stage, cache.v_stage]
+    chains, arrays = {}, []
+    for kind in ("key", "value"):
+        steps, planes = chain_steps(cache, kind, loop)
+        chains[kind] = (steps, tuple(len(FIELDS[plane.format]) for plane in planes))
+        for plane in planes:
+            arrays += _plane_arrays(plane)
+    # Values of a rotated chain are attended in the rotated space: their raw rows (this loop's
+    # staging rows of every slot, the batch's sink rows) are rotated here, float32.
+    rotated = rotated_chain(cache.loop_chain("value", loop))
+    v_stage, stage_loop = cache.v_stage, {"key": loop, "value": loop}
+    if rotated:
+        v_stage, stage_loop["value"] = rotate(v_stage[loop : loop + 1].astype(jnp.float32)), 0
+    arrays += [cache.k_stage, v_stage]
     if config.sink:
         n_sink_pages = -(-config.sink // ps)
-        for rows_ in (cache.k_sink, cache.v_sink):
+        for kind, rows_ in (("key", cache.k_sink), ("value", cache.v_sink)):
             x = rows_[loop][slots]  # [B, sink, H, D]
+            if rotated and kind == "value":
+                x = rotate(x.astype(jnp.float32))
             pad = n_sink_pages * ps - config.sink
             arrays.append(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))))
 
     kernel = functools.partial(
         _kernel,
-        planes=planes,
-        loop=loop,
+        chains=chains,
+        rotated=rotated,
+        stage_loop=stage_loop,
         dtype=jnp.dtype(config.dtype),
         page_size=ps,
         pages_per_split=pages_per_split,
@@ -299,7 +299,7 @@ def paged_decode_attention(
         pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
     )
     if launch is None:
-        launch = _launch.paged_attention(group, d)
+        launch = _launch.paged_attention(group, d, ps)
     params = None
     if not interpret:
         params = pltriton.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages)
@@ -313,24 +313,25 @@ def paged_decode_attention(
         compiler_params=params,
         name="kvq_paged_decode_attention",
     )(*inputs)
-    out = combine(acc, m, l_sum)  # [B, H, Gp, D]
-    return out[:, :, :group].reshape(b, hq, d)
+    out = combine(acc, m, l_sum)[:, :, :group]  # [B, H, G, D]
+    return (unrotate(out) if rotated else out).reshape(b, hq, d)
 
 
 def kv_bytes_read(config, seq_lens, *, loop: int) -> int:
     """Bytes of K and V the kernel reads for attended lengths `seq_lens` (host numbers, each
     sequence assumed to attend all it stores): per complete page the packed K + V tiles of
-    the base and `loop` residual planes (every head), per sequence with a partial page its
-    K + V staging page (cache dtype), and per sequence the K + V sink rows padded to whole
-    pages. Block tables, queries and outputs are not counted."""
+    the planes of each kind's loop chain (every head; `PagedCacheConfig.chain`), per
+    sequence with a partial page its K + V staging page (cache dtype), and per sequence the
+    K + V sink rows padded to whole pages. Block tables, queries and outputs are not counted."""
 
-    def page_bytes(kind, level):
-        args = config.pack_args(kind, level)
+    def page_bytes(kind, i):
+        args = config.loop_pack_args(kind, i)
         layout = registry.layout(args["format"])
         return layout.storage_bytes(config.page_shape, args["axis"], args["group_size"])
 
-    per_page = sum(page_bytes(kind, "base") for kind in ("key", "value"))
-    per_page += loop * sum(page_bytes(kind, "residual") for kind in ("key", "value"))
+    per_page = sum(
+        page_bytes(kind, i) for kind in ("key", "value") for i in config.chain(kind, loop)
+    )
     ps = config.page_size
     row = config.num_heads * config.head_dim * np.dtype(config.dtype).itemsize
     lens = np.asarray(seq_lens)
