@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvq_jax import pack_kv, unpack_kv
 from kvq_jax.codecs._numerics import add_in_dtype
+from kvq_jax.codecs.registry import get_codec
 from kvq_jax.kernels import _tile_decode
 from kvq_jax.kernels.jax_compat import lower_for_gpu
 from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS
@@ -42,6 +43,8 @@ CASES = [
     ("int2", "tokens", 16, 16, 64, False),
     ("int2", "tokens", 1, 32, 128, False),
     ("int2", "channels", 32, 16, 64, False),
+    ("hint4", "channels", 64, 16, 64, False),
+    ("hint2", "channels", 32, 32, 128, False),
     ("nvfp4", "tokens", 16, 32, 64, False),
     ("nvfp4", "channels", 16, 16, 128, True),
     ("nvfp4", "channels", 16, 64, 64, False),
@@ -129,7 +132,10 @@ def packed_page(fmt, axis, group, ps, d, data):
     kind = "key" if axis == "tokens" else "value"
     x = make_page(ps, d, data)
     packed = pack_kv(x, kind=kind, format=fmt, axis=axis, group_size=group)
-    expected = np.asarray(unpack_kv(packed, np.float32))[:, HEAD]
+    if fmt in _tile_decode.ROTATED:  # tiles of rotated formats stay rotated
+        expected = np.asarray(get_codec(fmt).unpack_rotated(packed))[:, HEAD]
+    else:
+        expected = np.asarray(unpack_kv(packed, np.float32))[:, HEAD]
     return packed, expected
 
 
