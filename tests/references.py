@@ -27,7 +27,7 @@ def reference_pages(cache, kind: str, loop: int, pages) -> np.ndarray:
             at = (page,) if level is None else (level, page)
             payload = jax.tree.map(lambda a, at=at: a[at], codec_view(plane))
             if recon is None or i in absolute:
-                recon = unpack_kv(payload)
+                recon = unpack_kv(payload, layer=cache.layer)
             else:
                 recon = decode_residual(KVResidual(payload=payload, shape=recon.shape), recon)
         out.append(np.asarray(recon))

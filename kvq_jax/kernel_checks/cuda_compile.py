@@ -583,7 +583,8 @@ def ci_subset(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
 def smoke_subset(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
     """A few configurations per kernel for a quick second-environment check: at the largest
     head dim of each kernel, a configuration is taken when it brings a (kernel, format, kind
-    or position) not yet compiled (every format in every role once, not every geometry)."""
+    or position) not yet compiled (every format in every role once, not every geometry); a
+    format that only appears at smaller head dims keeps one configuration."""
     top = {}
     for c in configs:
         top[c.kernel] = max(top.get(c.kernel, 0), c.head_dim)
@@ -596,6 +597,11 @@ def smoke_subset(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
         if new:
             taken.append(c)
             seen |= new
+    formats = {(c.kernel, f) for c in taken for f in c.formats}
+    for c in configs:
+        if any((c.kernel, f) not in formats for f in c.formats):
+            taken.append(c)
+            formats.update((c.kernel, f) for f in c.formats)
     return taken
 
 

@@ -16,6 +16,13 @@ Per-tile arrays (shape, dtype), by format:
             scale        float16 as int4
   hint4     as int4      the rows still rotated (FORMAT.md 2c: the payload's INT4 decode;
   hint2     as int2      `unpack_rotated`), for attention in the rotated space
+  INTB      codes        uint8   [ps, W]     each row a bit stream (FORMAT.md 2b); the kernel
+                                             gathers each channel's two bytes from the ref
+                                             (`intb_codes`), no tile of bytes is loaded
+            minimum      float16 [ps/G, D]   token groups
+            scale        float16 as minimum
+            starts, bits int32 [N, H, D]     each channel's first stream bit and width, per
+                                             layer table (`intb_maps`; N = 1: one table)
   nvfp4     codes        uint8   [ps, D/2]   E2M1 nibbles, same packing
             block_scale  uint8 (E4M3 bits) or float8_e4m3fn, [ps/16, D] (tokens) or
                          [ps, D/16] (channels)
@@ -46,12 +53,16 @@ interpret=True)`, False when the kernel lowers through Triton.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from kvq_jax.codecs._numerics import e2m1_decode
+from kvq_jax.core import registry
 from kvq_jax.core.constants import NVFP4_GROUP_SIZE
+from kvq_jax.core.layouts import IntBLayout
 from kvq_jax.kernels import _exact
 
 __all__ = [
@@ -87,6 +98,86 @@ FIELDS = {
     "nvfp4": ("codes", "block_scale", "global_scale"),
     "fp8_e4m3": ("codes", "scale"),
 }
+
+
+#: An INTB plane's kernel arrays: its PackedKV fields, then its code maps (`intb_maps`).
+INTB_FIELDS = ("codes", "minimum", "scale", "starts", "bits")
+
+
+def is_intb(fmt: str) -> bool:
+    """True for an INTB format (one bit table or one per layer; FORMAT.md 2b)."""
+    try:
+        return isinstance(registry.layout(fmt), IntBLayout)
+    except ValueError:  # not a registered format
+        return False
+
+
+def fields(fmt: str) -> tuple[str, ...] | None:
+    """The kernel arrays of a plane in `fmt`, in the order the kernels take them (None: no
+    kernel decoder)."""
+    if fmt in FIELDS:
+        return FIELDS[fmt]
+    return INTB_FIELDS if is_intb(fmt) else None
+
+
+@functools.cache
+def intb_maps(fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """int32 [N, H, D] (first stream bit, width) of each channel's code, per layer table of
+    INTB format `fmt` (N = 1 for a format of one table): `IntBLayout.code_starts`."""
+    layout = registry.layout(fmt)
+    tables = layout.tables if layout.per_layer else (layout.bits,)
+    maps = [IntBLayout(t, name="table").code_starts() for t in tables]
+    return np.stack([m[0] for m in maps]), np.stack([m[1] for m in maps])
+
+
+def kernel_arrays(packed, prepare) -> list:
+    """A packed plane's kernel arrays in `fields` order: each PackedKV field through
+    `prepare` (a kernel's dtype view), an INTB plane's code maps appended (`intb_maps`)."""
+    out = []
+    for name in fields(packed.format):
+        if name in ("starts", "bits"):
+            out.append(jnp.asarray(intb_maps(packed.format)[name == "bits"]))
+        else:
+            out.append(prepare(getattr(packed, name)))
+    return out
+
+
+def gather_bytes(ref, lead: tuple, page, head, index, rows: int):
+    """uint32 [rows, n]: byte index[j] of every row of (page, head) of a codes ref [*lead, P,
+    rows, H, W] (a gather load: no tile of bytes is materialized); a uint16 view of the bytes
+    (`paged_attention.pallas_triton._widen`) is read as pairs."""
+    r = lax.broadcasted_iota(jnp.int32, (rows, index.shape[0]), 0)
+    if ref.dtype == jnp.uint16:
+        word = ref[(*lead, page, r, head, (index >> 1)[None, :])].astype(jnp.uint32)
+        return (word >> ((index & 1) * 8).astype(jnp.uint32)[None, :]) & 0xFF
+    return ref[(*lead, page, r, head, index[None, :])].astype(jnp.uint32)
+
+
+def intb_codes(codes_ref, lead: tuple, page, head, start, bits, rows: int):
+    """uint32 codes [rows, D] of an INTB tile: channel c's bits[c] stream bits from bit
+    start[c] (int32 [D] each, the layer's row of `intb_maps`), read from the two bytes they
+    lie in (`kvq_jax.codecs.formats.intb.unpack_stream`'s arithmetic)."""
+    width = codes_ref.shape[-1] * (2 if codes_ref.dtype == jnp.uint16 else 1)
+    lo = start // 8
+    b0 = gather_bytes(codes_ref, lead, page, head, lo, rows)
+    b1 = gather_bytes(codes_ref, lead, page, head, jnp.minimum(lo + 1, width - 1), rows)
+    word = b0 | (b1 << 8)
+    shift = (start % 8).astype(jnp.uint32)[None, :]
+    mask = ((jnp.uint32(1) << bits.astype(jnp.uint32)) - 1)[None, :]
+    return (word >> shift) & mask
+
+
+def load_intb_tile(refs, lead: tuple, page, head, layer, load) -> dict:
+    """The `decode_tile` arrays of one INTB (page, head) tile: codes gathered (`intb_codes`)
+    with layer `layer`'s maps, minimum and scale as `load(ref)` loads a metadata tile."""
+    codes_ref, min_ref, scale_ref, starts_ref, bits_ref = refs
+    start, bits = starts_ref[layer, head, :], bits_ref[layer, head, :]
+    rows = codes_ref.shape[-3]  # [*lead, P, page_size, H, W]
+    return {
+        "codes": intb_codes(codes_ref, lead, page, head, start, bits, rows),
+        "minimum": load(min_ref),
+        "scale": load(scale_ref),
+    }
 
 
 def load_tile(fmt: str, refs, lead: tuple, page, head) -> dict:
@@ -213,6 +304,9 @@ def decode_tile(fmt: str, axis: str, group_size: int, arrays: dict, *, interpret
     codes, scale), shaped as in the module doc. Returns float32 [page_size, D] (HINT4 / HINT2:
     the rows still rotated, `unpack_rotated`)."""
     fmt = ROTATED.get(fmt, fmt)
+    if is_intb(fmt):  # codes already unpacked (`load_intb_tile`), INT4's arithmetic
+        return affine_tile(arrays["codes"], arrays["minimum"], arrays["scale"], axis=axis,
+                           group_size=group_size, interpret=interpret)  # fmt: skip
     if fmt in ("int4", "int2"):
         return (int4_tile if fmt == "int4" else int2_tile)(
             arrays["codes"],

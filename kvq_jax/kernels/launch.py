@@ -17,9 +17,10 @@ sm_90a and sm_120a (ptxas 13.5; `kvq_jax.kernel_checks.cuda_compile`, docs/kerne
                    4; 1 stage (one tile per program). 2 warps spilled up to 26 KB.
   paged attention  group G = Hq / H < 8 (scores as a broadcast multiply-sum): 4 warps, 2
                    stages; 8 warps above page_size * head_dim = 4096 (4 warps reached 255
-                   registers and spilled 4 bytes on sm_80 for [64, 128] HINT4 tiles). G >= 8 (scores with FMA dots at HIGHEST precision): 1 stage and 8
-                   warps at head_dim <= 64, 16 at 128 and more (4 warps reached 255 registers
-                   and spilled; 2 stages sent ptxas into 32-register allocations, ~20 KB of
+                   registers and spilled 4 bytes on sm_80 for [64, 128] HINT4 tiles). G >= 8
+                   (scores with FMA dots at HIGHEST precision): 1 stage and 8 warps at
+                   head_dim <= 64, 16 at 128 and more (4 warps reached 255 registers and
+                   spilled; 2 stages sent ptxas into 32-register allocations, ~20 KB of
                    spills). The split count does not change registers.
 """
 

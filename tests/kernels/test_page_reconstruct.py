@@ -30,7 +30,7 @@ from references import reference_pages
 
 from kvq_jax.cache.paged_cache import PagedCacheConfig, append, decode_pages, init_cache
 from kvq_jax.kernel_checks.arg_specs import page_reconstruct as arg_specs
-from kvq_jax.kernels import _exact
+from kvq_jax.kernels import _exact, _tile_decode
 from kvq_jax.kernels import backend as kernel_backend
 from kvq_jax.kernels._tile_decode import chain_steps
 from kvq_jax.kernels.jax_compat import lower_for_gpu
@@ -84,7 +84,7 @@ def filled(spec: arg_specs.ReconstructSpec):
             cache = append(cache, k[loop], v[loop], block_tables=tables, seq_ids=ids, loop=loop)
         return cache
 
-    return fill(init_cache(config), k, v)
+    return fill(spec.empty_cache(), k, v)
 
 
 @functools.cache
@@ -249,8 +249,31 @@ def test_per_loop_comparison_catches_a_kernel_ignoring_absolute_loops(monkeypatc
 
     monkeypatch.setattr(api, "chain_steps", as_deltas)
     spec = arg_specs.PER_LOOP_SPECS[0]
-    got = decode_pages(filled(spec), "value", PAGES, loop=2, backend="pallas_interpret")
-    assert_same_values(got, reference(spec, "value", 2), "planted defect")
+    jax.clear_caches()  # the planted plan must not outlive the test in a jit cache
+    try:
+        got = decode_pages(filled(spec), "value", PAGES, loop=2, backend="pallas_interpret")
+        assert_same_values(got, reference(spec, "value", 2), "planted defect")
+    finally:
+        jax.clear_caches()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_intb_comparison_catches_a_kernel_reading_layer_0(monkeypatch):
+    """The interpret-mode comparison fails when the kernel decodes a per-layer INTB plane
+    with layer 0's table instead of the cache's layer (2)."""
+    load = _tile_decode.load_intb_tile
+
+    def layer_0(refs, lead, page, head, layer, meta):
+        return load(refs, lead, page, head, 0, meta)
+
+    monkeypatch.setattr(_tile_decode, "load_intb_tile", layer_0)
+    spec = arg_specs.INTB_SPECS[0]
+    jax.clear_caches()
+    try:
+        got = decode_pages(filled(spec), "key", PAGES, loop=0, backend="pallas_interpret")
+        assert_same_values(got, reference(spec, "key", 0), "planted defect")
+    finally:
+        jax.clear_caches()
 
 
 class TestPallasInterpret(ReconstructBase):
@@ -317,7 +340,8 @@ def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
         fn = functools.partial(pallas_triton.decode_pages, steps=steps, interpret=False)
         pages = spec.page_ids(8)
     else:
-        fn = jax.vmap(api._batchable(steps, False, None), in_axes=(None, 0))
+        call = api._batchable(steps, False, None)
+        fn = jax.vmap(lambda planes, pages: call(planes, jnp.int32(0), pages), in_axes=(None, 0))
         pages = jax.ShapeDtypeStruct((batch, 8), jnp.int32)
     lowered = lower_for_gpu(fn, tuple(planes), pages)
     text = lowered.as_text()

@@ -28,8 +28,8 @@ from kvq_jax import pack_kv, unpack_kv
 from kvq_jax.codecs._numerics import add_in_dtype
 from kvq_jax.codecs.registry import get_codec
 from kvq_jax.kernels import _tile_decode
+from kvq_jax.kernels._tile_decode import FIELDS
 from kvq_jax.kernels.jax_compat import lower_for_gpu
-from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS
 
 HEADS, HEAD = 2, 1  # tiles are cut from head 1 of a 2-head page
 

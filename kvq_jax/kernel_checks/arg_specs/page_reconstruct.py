@@ -8,11 +8,12 @@ Lists:
   FORMAT_PAIRS     every (base, residual) pair of int4 / nvfp4 / fp8_e4m3 (9)
   SUPPORTED_SPECS  every pair (as K or V) at every supported page geometry (page_size
                    16/32/64 x head_dim 64/128), loop = num_loops - 1, and `V2442` (per-loop
-                   INT2 / INT4 planes, absolute loops) at two: the kernel builds for each
-                   (the GPU-lowering test)
+                   INT2 / INT4 planes, absolute loops) at two, INTB at one: the kernel
+                   builds for each (the GPU-lowering test)
   TEST_SPECS       small caches (tiny P and H) for interpret-mode tests: every format pair,
                    several group sizes, H in {1, 2, 3}, bf16 / fp16 / fp32, and
-  PER_LOOP_SPECS   per-loop formats (INT2 included) and loops stored absolute
+  PER_LOOP_SPECS   per-loop formats (INT2 included) and loops stored absolute, and
+  INTB_SPECS       INTB planes (one table, one per layer)
   BENCH_SPECS      Ouro-like pages: H 16, D 128, pages 16 / 64, int4 / nvfp4 / mixed
 """
 
@@ -25,7 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
+from kvq_jax.codecs.cache_state import at_layer
 from kvq_jax.codecs.registry import get_codec
+from kvq_jax.kernel_checks.arg_specs.formats import intb_format, intb_layers_format
 
 FORMATS = ("int4", "nvfp4", "fp8_e4m3")
 FORMAT_PAIRS = tuple(itertools.product(FORMATS, FORMATS))
@@ -51,6 +54,7 @@ class ReconstructSpec:
     num_pages: int = 4
     k_absolute: tuple[int, ...] = ()  # later loops stored absolute
     v_absolute: tuple[int, ...] = ()
+    layer: int | None = None  # the model layer a format with per-layer tables is read as
 
     @property
     def name(self) -> str:
@@ -65,6 +69,7 @@ class ReconstructSpec:
             f"-V{_short(self.v_base_format)}+{_short(self.v_residual_format)}"
             f"-p{self.page_size}-h{self.num_heads}-d{self.head_dim}"
             f"-L{self.num_loops}l{self.loop}-{self.dtype}{groups}"
+            + ("" if self.layer is None else f"-layer{self.layer}")
         )
 
     def config(self, *, max_seqs: int = 1) -> PagedCacheConfig:
@@ -86,10 +91,14 @@ class ReconstructSpec:
             v_absolute=self.v_absolute,
         )
 
+    def empty_cache(self, *, max_seqs: int = 1):
+        """`init_cache` of the config, read and written as `layer` (when set)."""
+        cache = init_cache(self.config(max_seqs=max_seqs))
+        return cache if self.layer is None else at_layer(cache, self.layer)
+
     def abstract_cache(self):
         """The cache as a pytree of jax.ShapeDtypeStruct (no memory)."""
-        config = self.config()
-        return jax.eval_shape(lambda: init_cache(config))
+        return jax.eval_shape(self.empty_cache)
 
     def page_ids(self, n: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((n,), jnp.int32)
@@ -113,6 +122,8 @@ class ReconstructSpec:
 def _short(fmt: str | tuple[str, ...]) -> str:
     if isinstance(fmt, tuple):
         return "/".join(map(_short, fmt))
+    if fmt.startswith("intb"):  # "intb-<digest>" / "intb-layers-<digest>"
+        return "ib" + fmt.rsplit("-", 1)[-1][:4]
     return {"int4": "i4", "int2": "i2", "nvfp4": "nv", "fp8_e4m3": "f8"}[fmt]
 
 
@@ -150,7 +161,13 @@ SUPPORTED_SPECS = tuple(
         page_size=page_size, head_dim=head_dim, num_heads=4, num_loops=4, loop=3, **V2442
     )
     for page_size, head_dim in ((16, 64), (64, 128))
-)
+) + (
+    ReconstructSpec(
+        k_base_format=intb_layers_format(4, 128), k_residual_format="int2",
+        v_base_format=intb_format(4, 128), v_residual_format="int4", page_size=64, num_heads=4,
+        head_dim=128, num_loops=4, loop=3, layer=1,
+    ),
+)  # fmt: skip
 
 TEST_SPECS = (
     ReconstructSpec(
@@ -240,6 +257,27 @@ PER_LOOP_SPECS = (
     ),
 )
 TEST_SPECS += PER_LOOP_SPECS
+
+#: INTB planes: keys with one table per model layer (read as layer 2) and INT2 deltas, values
+#: with one table, FP8 deltas.
+INTB_SPECS = (
+    ReconstructSpec(
+        k_base_format=intb_layers_format(2, 64),
+        k_residual_format="int2",
+        v_base_format=intb_format(2, 64),
+        v_residual_format="fp8_e4m3",
+        page_size=32,
+        num_heads=2,
+        head_dim=64,
+        num_loops=2,
+        loop=1,
+        dtype="bfloat16",
+        k_group_size=16,
+        v_group_size=32,
+        layer=2,
+    ),
+)
+TEST_SPECS += INTB_SPECS
 
 BENCH_FORMATS = {
     # name: (K base, K residual, V base, V residual)

@@ -22,7 +22,8 @@ import numpy as np
 from jax import lax
 
 from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache
-from kvq_jax.codecs.cache_state import codec_view
+from kvq_jax.codecs.cache_state import at_layer, codec_view
+from kvq_jax.kernel_checks.arg_specs.formats import intb_layers_format
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,7 @@ class PagedAttentionSpec:
     ragged: bool = True
     k_absolute: tuple[int, ...] = ()  # later loops stored absolute
     v_absolute: tuple[int, ...] = ()
+    layer: int | None = None  # the model layer a format with per-layer tables is read as
 
     @property
     def group(self) -> int:
@@ -154,6 +156,11 @@ SPECS: tuple[PagedAttentionSpec, ...] = (
     # rounds each un-rotated row first, FORMAT.md 2c).
     _spec("hint4-gqa3-p16-d64-loop1-sink3", 2, 6, 2, 64, 16, 70, num_loops=2, loop=1,
           v_base_format="hint4", v_residual_format="hint2", sink=3),
+    # Keys in INTB with one bit table per model layer (read as layer 2), INT4 deltas; values
+    # HINT4 (intb-hint4's formats), GQA 3, 2 loops.
+    _spec("intb-layers-hint4-gqa3-p16-d64-loop1-l2", 2, 6, 2, 64, 16, 50, num_loops=2, loop=1,
+          k_base_format=intb_layers_format(2, 64), k_residual_format="int4", k_group_size=16,
+          v_base_format="hint4", v_residual_format="hint4", layer=2),
     # loops-abs-v2442's schedule, GQA 2, attending loop 3 (chain: V loop 2 + a delta).
     _spec("abs-v2442-gqa2-p16-d64-loop3-bf16", 2, 4, 2, 64, 16, 50, num_loops=4, loop=3,
           dtype="bfloat16", **V2442),
@@ -187,6 +194,9 @@ LOWERING_SPECS: tuple[PagedAttentionSpec, ...] = (
           k_base_format="fp8_e4m3", dtype="bfloat16"),
     _spec("int4-gqa16-p64-d64-sink4", 2, 32, 2, 64, 64, 2048, num_loops=2, loop=1, sink=4,
           dtype="bfloat16"),
+    _spec("ouro-intb-layers-hint4-b8-ctx4096-p64-loop0-l1", 8, 16, 16, 128, 64, 4096,
+          num_loops=4, k_base_format=intb_layers_format(16, 128), v_base_format="hint4",
+          v_residual_format="hint4", dtype="bfloat16", ragged=False, layer=1),
     _spec("ouro-hint4-b8-ctx4096-p64-loop3", 8, 16, 16, 128, 64, 4096, num_loops=4, loop=3,
           v_base_format="hint4", v_residual_format="hint4", dtype="bfloat16", ragged=False),
     _spec("ouro-abs-v2442-b8-ctx4096-p64-loop3", 8, 16, 16, 128, 64, 4096, num_loops=4, loop=3,
@@ -229,7 +239,13 @@ def _loop_data(rng, spec: PagedAttentionSpec, tokens: int, scale: float):
     return (scale * np.cumsum(steps, axis=0)).astype(jnp.dtype(spec.dtype))
 
 
-def _fill(config, k, v, block_tables, stored):
+def _empty(config, layer):
+    """`init_cache(config)`, read and written as model `layer` (None: as it comes)."""
+    cache = init_cache(config)
+    return cache if layer is None else at_layer(cache, layer)
+
+
+def _fill(config, layer, k, v, block_tables, stored):
     """Append token t of every loop (0, 1, ...) for t = 0 .. T-1 (the looped-LM decode
     order) to the sequences whose stored length exceeds t; one jitted program (a fori_loop
     over t; the other sequences get an out-of-range slot, whose writes `append` drops)."""
@@ -244,7 +260,7 @@ def _fill(config, k, v, block_tables, stored):
             cache = append(cache, kt, vt, block_tables=block_tables, seq_ids=ids, loop=loop)
         return cache
 
-    return lax.fori_loop(0, t, step, init_cache(config))
+    return lax.fori_loop(0, t, step, _empty(config, layer))
 
 
 def make_inputs(spec: PagedAttentionSpec, seed: int = 0) -> Inputs:
@@ -261,7 +277,7 @@ def make_inputs(spec: PagedAttentionSpec, seed: int = 0) -> Inputs:
     args = (jnp.asarray(k), jnp.asarray(v), block_tables, jnp.asarray(stored))
     # One program, compiled without backend optimization (a third of the compile time; the
     # cache bytes need not match anything but themselves: kernel and reference read them).
-    fill = jax.jit(functools.partial(_fill, config)).lower(*args)
+    fill = jax.jit(functools.partial(_fill, config, spec.layer)).lower(*args)
     cache = fill.compile(compiler_options={"xla_backend_optimization_level": 0})(*args)
     q = rng.standard_normal((spec.batch, spec.q_heads, spec.head_dim)).astype(np.float32)
     return Inputs(
@@ -297,7 +313,7 @@ def random_inputs(spec: PagedAttentionSpec, seed: int = 0) -> Inputs:
     config = spec.config()
     attended, stored = spec.lengths()
     tables = _tables(spec, stored, config.num_pages, rng)
-    cache = init_cache(config)
+    cache = _empty(config, spec.layer)
     key = jax.random.key(seed)
 
     def fill(plane, packed):
@@ -344,7 +360,7 @@ def input_shapes(spec: PagedAttentionSpec) -> Inputs:
     sds = jax.ShapeDtypeStruct
     return Inputs(
         q=sds((b, spec.q_heads, spec.head_dim), jnp.float32),
-        cache=jax.eval_shape(lambda: init_cache(config)),
+        cache=jax.eval_shape(lambda: _empty(config, spec.layer)),
         block_tables=sds((b, spec.max_pages), jnp.int32),
         seq_lens=sds((b,), jnp.int32),
         seq_ids=sds((b,), jnp.int32),

@@ -19,10 +19,9 @@ from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.layouts import check_kind
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import ROTATED, chain_steps
+from kvq_jax.kernels._tile_decode import ROTATED, chain_steps, fields
 from kvq_jax.kernels.backend import resolve_backend
 from kvq_jax.kernels.page_reconstruct import pallas_triton, xla
-from kvq_jax.kernels.page_reconstruct.pallas_triton import FIELDS
 
 #: Largest tile (page_size * head_dim elements) one kernel program holds in registers.
 MAX_TILE_ELEMENTS = 2**15
@@ -39,8 +38,8 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
     page_size * head_dim <= 2**15), any H, L, dtype; INT4, INT2, NVFP4 and FP8 E4M3 in any
     loop (per-loop formats and loops stored absolute included); INT4 / INT2 group sizes that
     are powers of two dividing page_size (axis "tokens") or head_dim (axis "channels").
-    Declined: HINT4 / HINT2 (rows un-rotated on the XLA path), adaptive exits, INTB, heavy
-    rows.
+    INTB (one table or one per layer) with token groups as INT4's. Declined: HINT4 / HINT2
+    (rows un-rotated on the XLA path), adaptive exits, heavy rows.
     """
     if not isinstance(config, PagedCacheConfig):
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
@@ -57,7 +56,7 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
     for loop in range(config.num_loops):
         args = config.loop_pack_args(kind, loop)
         fmt, axis, group = args["format"], args["axis"], args["group_size"]
-        if fmt not in FIELDS:
+        if fields(fmt) is None:
             return f"{kind} loop {loop} format {fmt!r} has no kernel decoder"
         if fmt in ROTATED:
             return (
@@ -93,18 +92,18 @@ def _batchable(steps: tuple, interpret: bool, launch):
     one longer grid; a batched cache runs one call per batch entry."""
 
     @jax.custom_batching.custom_vmap
-    def call(planes, pages):
+    def call(planes, layer, pages):
         return pallas_triton.decode_pages(
-            planes, pages, steps=steps, interpret=interpret, launch=launch
+            planes, pages, layer, steps=steps, interpret=interpret, launch=launch
         )
 
     @call.def_vmap
-    def _rule(axis_size, in_batched, planes, pages):
-        planes_b, pages_b = in_batched
-        if not any(jax.tree.leaves(planes_b)):
+    def _rule(axis_size, in_batched, planes, layer, pages):
+        planes_b, layer_b, pages_b = in_batched
+        if not any(jax.tree.leaves(planes_b)) and not layer_b:
             if not pages_b:
                 pages = jnp.broadcast_to(pages, (axis_size, *pages.shape))
-            out = call(planes, pages.reshape(-1))
+            out = call(planes, layer, pages.reshape(-1))
             return out.reshape(axis_size, pages.shape[1], *out.shape[1:]), True
 
         def bcast(tree, batched):
@@ -114,7 +113,7 @@ def _batchable(steps: tuple, interpret: bool, launch):
                 batched,
             )
 
-        args = (bcast(planes, planes_b), bcast(pages, pages_b))
+        args = (bcast(planes, planes_b), bcast(layer, layer_b), bcast(pages, pages_b))
         return lax.map(lambda a: call(*a), args), True
 
     return call
@@ -132,7 +131,8 @@ def dispatch(cache, kind: str, pages, *, loop: int, backend: str, launch=None):
     if launch is None:
         launch = _launch.page_reconstruct(config.page_size, config.head_dim)
     call = _batchable(steps, impl == "pallas_interpret", launch)
-    return call(tuple(planes), pages)
+    layer = jnp.int32(0) if cache.layer is None else jnp.asarray(cache.layer, jnp.int32)
+    return call(tuple(planes), layer, pages)
 
 
 def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto", launch=None):

@@ -29,9 +29,6 @@ from jax.experimental.pallas import triton as pltriton
 from kvq_jax.kernels import _tile_decode
 from kvq_jax.kernels import launch as _launch
 
-#: PackedKV array fields per format, in the order the kernel takes them.
-FIELDS = _tile_decode.FIELDS
-
 
 def _as_bits(a):
     """float8_e4m3fn -> uint8 bits (same width, free in XLA); other dtypes unchanged."""
@@ -40,11 +37,7 @@ def _as_bits(a):
     return a
 
 
-def _plane_arrays(packed) -> list:
-    return [_as_bits(getattr(packed, f)) for f in FIELDS[packed.format]]
-
-
-def _kernel(ids_ref, *refs, steps, fields, dtype, interpret):
+def _kernel(ids_ref, layer_ref, *refs, steps, fields, dtype, interpret):
     *in_refs, out_ref = refs
     plane_refs, at = [], 0
     for n in fields:  # each plane's refs, in `_plane_arrays` order
@@ -54,18 +47,23 @@ def _kernel(ids_ref, *refs, steps, fields, dtype, interpret):
     page = ids_ref[i]
 
     def load(fmt, plane, lead):
-        return _tile_decode.load_tile(fmt, plane_refs[plane], lead, page, h)
+        refs_ = plane_refs[plane]
+        if _tile_decode.is_intb(fmt):
+            meta = lambda r: r[(*lead, page, slice(None), h, slice(None))]  # noqa: E731
+            return _tile_decode.load_intb_tile(refs_, lead, page, h, layer_ref[0], meta)
+        return _tile_decode.load_tile(fmt, refs_, lead, page, h)
 
     out_ref[...] = _tile_decode.reconstruct_tile(steps, load, dtype, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "interpret", "launch"))
-def decode_pages(planes, pages, *, steps, interpret: bool = False, launch=None):
+def decode_pages(planes, pages, layer=None, *, steps, interpret: bool = False, launch=None):
     """One loop of physical pages `pages` (int32 [N]) -> [N, page_size, H, D].
 
     planes: the packed planes the loop's chain reads (`_tile_decode.chain_steps`): a base
     plane has batch shape (P,), a later-loop plane (loops, P); steps: the chain's static plan
-    (same function). Page ids are normalized as XLA indexing does (negative ids wrap once,
+    (same function); layer: the model layer (int32 scalar) whose table a per-layer INTB
+    plane reads (None: 0). Page ids are normalized as XLA indexing does (negative ids wrap once,
     then clamp to [0, P)), so out-of-range ids read the same page as the reference instead
     of stray memory. launch: the Triton launch parameters (None:
     `kvq_jax.kernels.launch.page_reconstruct`).
@@ -79,13 +77,14 @@ def decode_pages(planes, pages, *, steps, interpret: bool = False, launch=None):
     if n == 0:
         return jnp.zeros((0, ps, h, d), dtype)
     pages = jnp.clip(jnp.where(pages < 0, pages + num_pages, pages), 0, num_pages - 1)
-    args = [pages]
+    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    args = [pages, layer.reshape(1)]
     for plane in planes:
-        args += _plane_arrays(plane)
+        args += _tile_decode.kernel_arrays(plane, _as_bits)
     kernel = functools.partial(
         _kernel,
         steps=steps,
-        fields=tuple(len(FIELDS[plane.format]) for plane in planes),
+        fields=tuple(len(_tile_decode.fields(plane.format)) for plane in planes),
         dtype=dtype,
         interpret=interpret,
     )

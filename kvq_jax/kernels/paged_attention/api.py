@@ -28,7 +28,7 @@ from kvq_jax.codecs.cache_state import check_cache
 from kvq_jax.core import checks
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import ROTATED
+from kvq_jax.kernels._tile_decode import ROTATED, fields
 from kvq_jax.kernels.paged_attention import pallas_triton, xla
 
 #: Head dims and page sizes the kernel takes (powers of two: Triton block shapes; D >= 32
@@ -52,9 +52,10 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
     """None when the kernel takes this call's configuration, else why not (naming the
     argument). Reads shapes and static metadata only (ShapeDtypeStructs will do).
 
-    Formats: INT4, INT2, NVFP4, FP8 E4M3 in any loop (per-loop formats, absolute loops), and
-    values in HINT4 / HINT2 when every plane the attended loop's value chain reads is rotated
-    (attended in the rotated space, as the XLA path does)."""
+    Formats: INT4, INT2, INTB (one table or one per layer), NVFP4, FP8 E4M3 in any loop
+    (per-loop formats, absolute loops), and values in HINT4 / HINT2 when every plane the
+    attended loop's value chain reads is rotated (attended in the rotated space, as the XLA
+    path does)."""
     del block_tables
     config = cache.config
     if return_lse:
@@ -76,7 +77,7 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
         for i in range(config.num_loops):
             args = config.loop_pack_args(kind, i)
             fmt, g, axis = args["format"], args["group_size"], args["axis"]
-            if fmt not in pallas_triton.FIELDS:
+            if fields(fmt) is None:
                 return f"cache.config: {kind} loop {i} format {fmt!r} has no kernel decoder"
             if kind == "key" and fmt in ROTATED:
                 return (

@@ -80,19 +80,21 @@ def _unwiden(x):
     return jnp.stack([lo, hi], axis=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])
 
 
+def _kernel_view(a):
+    """A packed array as the kernel takes it: E4M3 arrays as their uint8 bits (a same-width
+    bitcast, free; the tile decoder reads the bits), uint8 arrays of WIDE_INDEX_BYTES or more
+    as uint16 pairs (`_widen`)."""
+    if a.dtype == jnp.float8_e4m3fn:
+        a = lax.bitcast_convert_type(a, jnp.uint8)
+    if a.dtype == jnp.uint8 and a.size >= WIDE_INDEX_BYTES and a.ndim and a.shape[-1] % 2 == 0:
+        a = _widen(a)
+    return a
+
+
 def _plane_arrays(packed) -> list:
-    """The kernel's arrays of one packed plane, in `_FIELDS` order; E4M3 arrays are passed
-    as their uint8 bits (a same-width bitcast, free; the tile decoder reads the bits), and
-    uint8 arrays of WIDE_INDEX_BYTES or more as uint16 pairs (`_widen`)."""
-    out = []
-    for name in FIELDS[packed.format]:
-        a = getattr(packed, name)
-        if a.dtype == jnp.float8_e4m3fn:
-            a = lax.bitcast_convert_type(a, jnp.uint8)
-        if a.dtype == jnp.uint8 and a.size >= WIDE_INDEX_BYTES and a.ndim and a.shape[-1] % 2 == 0:
-            a = _widen(a)
-        out.append(a)
-    return out
+    """The kernel's arrays of one packed plane (`_tile_decode.kernel_arrays`: its fields as
+    `_kernel_view`s, an INTB plane's code maps)."""
+    return _tile_decode.kernel_arrays(packed, _kernel_view)
 
 
 def _load_tile(ref, prefix: tuple, page, head):
@@ -115,7 +117,7 @@ def _kernel(*refs, chains, rotated, stage_loop, dtype, page_size, pages_per_spli
     values are attended in the rotated space (their staging and sink rows come rotated,
     float32). stage_loop: {kind: the loop index of the staging rows handed over}."""
     it = iter(refs)
-    q_ref, tab_ref, lens_ref, stored_ref, sid_ref = (next(it) for _ in range(5))
+    q_ref, tab_ref, lens_ref, stored_ref, sid_ref, layer_ref = (next(it) for _ in range(6))
     plane_refs = {
         kind: [[next(it) for _ in range(n)] for n in chains[kind][1]] for kind in ("key", "value")
     }
@@ -133,6 +135,9 @@ def _kernel(*refs, chains, rotated, stage_loop, dtype, page_size, pages_per_spli
     def reconstruct(kind, page):
         def load(fmt, plane, lead):
             refs_ = plane_refs[kind][plane]
+            if _tile_decode.is_intb(fmt):
+                meta = lambda r: _load_tile(r, lead, page, h)  # noqa: E731
+                return _tile_decode.load_intb_tile(refs_, lead, page, h, layer_ref[0], meta)
             return {
                 n: _load_tile(r, lead, page, h) for n, r in zip(FIELDS[fmt], refs_, strict=True)
             }
@@ -254,7 +259,7 @@ def paged_decode_attention(
     chains, arrays = {}, []
     for kind in ("key", "value"):
         steps, planes = chain_steps(cache, kind, loop)
-        chains[kind] = (steps, tuple(len(FIELDS[plane.format]) for plane in planes))
+        chains[kind] = (steps, tuple(len(_tile_decode.fields(p.format)) for p in planes))
         for plane in planes:
             arrays += _plane_arrays(plane)
     # Values of a rotated chain are attended in the rotated space: their raw rows (this loop's
@@ -285,7 +290,8 @@ def paged_decode_attention(
         sink=config.sink,
         interpret=interpret,
     )
-    inputs = [qf, tables, jnp.asarray(seq_lens, jnp.int32), stored, slots, *arrays]
+    layer = jnp.asarray(0 if cache.layer is None else cache.layer, jnp.int32).reshape(1)
+    inputs = [qf, tables, jnp.asarray(seq_lens, jnp.int32), stored, slots, layer, *arrays]
     in_specs = [pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0))]
     in_specs += [pl.no_block_spec] * (len(inputs) - 1)
     out_shape = (
