@@ -47,3 +47,18 @@ def tiny_ouro():
     from tiny_models import tiny_model
 
     return tiny_model("ouro", seed=3, loops=2)
+
+
+# -- the process-wide codec registry: synthetic formats of the kernels' argument specs -------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _unregister_synthetic_formats():
+    """After each module, take the argument specs' synthetic INTB formats out of the JAX
+    registry (a spec's config() registers them on demand), so no other module sees them."""
+    import sys
+
+    yield
+    formats = sys.modules.get("kvq_jax.kernel_checks.arg_specs.formats")
+    if formats is not None:
+        formats.unregister_synthetic()

@@ -5,8 +5,9 @@ The oracle's rotation is checked against hand-worked values and an independent n
 matrix (float64, on data where every butterfly sum is exact), its payload against the INT4 /
 INT2 oracle of those rotated rows; the jitted, eager and vmapped JAX codec and the Torch codec
 against the oracle byte for byte (special values included); residual chains against the
-oracle's; the kernels decline the formats with a reason; bad arguments raise naming the
-argument. The rotation earns its place: on rows with outlier channels it lowers INT4's error.
+oracle's; decode attention's kernel attends HINT values and the other kernels decline the
+formats with a reason; bad arguments raise naming the argument. The rotation earns its
+place: on rows with outlier channels it lowers INT4's error.
 Planted defects (strict xfails) show the checks can fail.
 """
 
@@ -331,16 +332,22 @@ def test_bad_arguments_name_the_argument(fmt, shape, kwargs, error, match):
         oracle.pack(x, **args)
 
 
-def test_kernels_decline_hint_with_a_reason():
+def test_kernels_serve_hint_values_and_decline_the_rest_with_a_reason():
+    """Decode attention's kernel attends HINT values (in the rotated space); page packing,
+    page reconstruction (rows un-rotated one by one) and HINT keys stay on the XLA path, each
+    declined with a reason naming the format."""
     from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
     from kvq_jax.kernels import page_pack, page_reconstruct, paged_attention
 
+    q = np.zeros((1, 2, 64), np.float32)
+    shape = dict(num_pages=4, page_size=16, num_heads=2, head_dim=64, dtype="bfloat16")
     for fmt in FORMATS:
         reason = page_pack.config_support((4, 16, 2, 64), jnp.bfloat16, kind="value", format=fmt)
         assert reason is not None and fmt in reason
-        config = PagedCacheConfig(num_pages=4, page_size=16, num_heads=2, head_dim=64,
-                                  dtype="bfloat16", v_base_format=fmt)  # fmt: skip
-        assert fmt in page_reconstruct.config_support(config, "value")
-        assert page_reconstruct.config_support(config, "key") is None
-        q = np.zeros((1, 2, 64), np.float32)
-        assert fmt in paged_attention.config_support(q, init_cache(config), None)
+        values = PagedCacheConfig(**shape, v_base_format=fmt)
+        assert f"format '{fmt}'" in page_reconstruct.config_support(values, "value")
+        assert page_reconstruct.config_support(values, "key") is None
+        assert paged_attention.config_support(q, init_cache(values), None) is None
+        keys = PagedCacheConfig(**shape, k_base_format=fmt)
+        reason = paged_attention.config_support(q, init_cache(keys), None)
+        assert f"key loop 0 format '{fmt}'" in reason and "rotated" in reason

@@ -3,7 +3,8 @@
 The scalar oracle is checked against hand-worked bytes and an independent numpy float32
 re-derivation; the jitted (and eager, and vmapped) JAX codec and the Torch codec against the
 oracle, byte for byte; per-loop residual formats (FlashLoop's profiles) against the oracle's
-residual chain; the kernels decline INT2 with a reason and the XLA path serves it; bad
+residual chain; the read-side kernels serve INT2 and page packing declines it with a
+reason (the XLA path packs it); bad
 arguments raise naming the argument. Planted defects (strict xfails) show that the checks
 can fail.
 """
@@ -406,21 +407,24 @@ def test_residual_format_errors_name_the_argument():
 
 
 # ------------------------------------------------------------------------------------------
-# kernels decline INT2; the XLA path serves it (the paged cache: tests/test_paged_cache.py)
+# page reconstruction and decode attention serve INT2 (tests/kernels); page packing declines
+# it and the XLA path packs it (the paged cache: tests/test_paged_cache.py)
 
 
-def test_kernels_decline_int2_with_a_reason():
+def test_read_kernels_serve_int2_and_page_pack_declines_it():
     from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
     from kvq_jax.kernels import page_pack, page_reconstruct, paged_attention
 
     reason = page_pack.config_support((4, 16, 2, 64), jnp.bfloat16, kind="key", format="int2")
     assert reason is not None and "int2" in reason
     config = PagedCacheConfig(num_pages=4, page_size=16, num_heads=2, head_dim=64,
-                              dtype="bfloat16", num_loops=2, k_residual_format="int2")  # fmt: skip
-    assert "int2" in page_reconstruct.config_support(config, "key")
+                              dtype="bfloat16", num_loops=2, k_base_format="int2",
+                              k_residual_format="int2", v_residual_format="int2")  # fmt: skip
+    assert page_reconstruct.config_support(config, "key") is None
     assert page_reconstruct.config_support(config, "value") is None
     q = np.zeros((1, 2, 64), np.float32)
-    assert "int2" in paged_attention.config_support(q, init_cache(config), None)
+    for loop in range(2):
+        assert paged_attention.config_support(q, init_cache(config), None, loop=loop) is None
     pages = _kv(np.random.default_rng(10), (3 * 16, 2, 64), BF16).reshape(3, 16, 2, 64)
     with pytest.raises(ValueError, match="int2"):
         kq.pack_paged(pages, kind="key", format="int2", backend="pallas")

@@ -128,8 +128,7 @@ def test_storage_is_the_formula(codec):
 
 def test_paged_cache_with_intb_keys_matches_the_codec_per_page(codec):
     """Keys INTB (base and residual), values INT4, 2 loops: every complete page of the
-    gathered loop-1 keys is the residual chain of `pack_kv` on that page's rows; the kernels
-    decline the configuration (the XLA path serves it)."""
+    gathered loop-1 keys is the residual chain of `pack_kv` on that page's rows."""
     config = PagedCacheConfig(
         num_pages=4, page_size=8, num_heads=2, head_dim=8, num_loops=2, max_seqs=1,
         k_base_format=codec.name, k_residual_format=codec.name, k_group_size=8,
@@ -160,9 +159,9 @@ def test_paged_cache_with_intb_keys_matches_the_codec_per_page(codec):
     assert_same_bytes(np.asarray(k), expected, "gather loop 1")
 
 
-def test_every_kernel_declines_intb_with_the_reason():
-    """INTB has no kernel decoder or packer: each kernel's config_support says so for a
-    configuration its other checks accept (D = 64, page 64), and the XLA path serves it."""
+def test_read_kernels_serve_intb_and_page_pack_declines_it():
+    """Page reconstruction and decode attention decode INTB planes (tests/kernels checks their
+    values); page packing has no INTB packer and says so; the XLA path packs."""
     from kvq_jax.kernels.page_pack import config_support as pack_support
     from kvq_jax.kernels.page_reconstruct import config_support as reconstruct_support
     from kvq_jax.kernels.paged_attention import config_support as attention_support
@@ -175,9 +174,9 @@ def test_every_kernel_declines_intb_with_the_reason():
         cache = jax.eval_shape(lambda: init_cache(config))
         q = jax.ShapeDtypeStruct((1, 4, 64), jnp.float32)
         table = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-        assert "has no kernel decoder" in attention_support(q, cache, table)
-        assert "has no kernel decoder" in reconstruct_support(config, "key")
-        assert reconstruct_support(config, "value") is None  # INT4 values: the kernel's
+        assert attention_support(q, cache, table) is None
+        assert reconstruct_support(config, "key") is None
+        assert reconstruct_support(config, "value") is None
         reason = pack_support((2, 64, 2, 64), jnp.float32, kind="key", format=codec.name)
         assert "has no page-pack kernel" in reason
     finally:

@@ -5,12 +5,13 @@ Every expectation is built page by page from the public codec functions (`pack_k
 `encode_residual(absolute=...)`, `decode_residual`) with each loop's format written out by hand
 below, not from the cache's own plane bookkeeping: the stored bytes of every loop, what
 `gather` and decode attention read, the Torch cache's bytes after the same appends, a swap
-through host memory and disk, adaptive exits across an absolute loop; the kernels decline these
-caches with the reason.
+through host memory and disk, adaptive exits across an absolute loop; the read-side kernels
+take these chains (page reconstruction declines rotated ones with the reason).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -35,6 +36,7 @@ from kvq_jax.cache.paged_cache import (
 from kvq_jax.codecs.cache_state import codec_view
 from kvq_jax.core.offload import load_sequence, save_sequence
 from kvq_jax.kernels.page_reconstruct import config_support
+from kvq_jax.kernels.paged_attention import config_support as attention_support
 
 H, D, T, L, S = 2, 16, 21, 4, 2
 PS = 8
@@ -282,30 +284,35 @@ def test_swap_and_disk_round_trip(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_decode_attention_and_kernels_decline(name):
-    """Decode attention over the cache equals dense attention over gather's rows; the
-    kernels decline these caches with the reason, and "auto" takes the XLA path."""
+def test_decode_attention_and_the_kernels(name):
+    """Decode attention over the cache equals dense attention over gather's rows (XLA path);
+    at a geometry the kernels take (D 64, pages of 16) both read-side kernels accept these
+    chains, page reconstruction declining only Hadamard-rotated ones with the reason (their
+    values: tests/kernels, specs abs-v2442-*, per-loop-*, hint4-*)."""
     config, _, _, cache = filled(name)
     tables = jnp.asarray(make_tables(config))
-    _, k_formats, v_formats, k_abs, v_abs = CASES[name]
-    for kind, formats, absolute in (("key", k_formats, k_abs), ("value", v_formats, v_abs)):
-        reason = config_support(config, kind)
-        assert reason is not None
-        if absolute or len(set(formats[1:])) > 1:
-            assert "differ in format or are stored absolute" in reason
+    _, k_formats, v_formats, _, _ = CASES[name]
+    kernel_config = dataclasses.replace(config, head_dim=64, page_size=16)
+    for kind, formats in (("key", k_formats), ("value", v_formats)):
+        reason = config_support(kernel_config, kind)
+        if any(f.startswith("hint") for f in formats):
+            assert "un-rotated one by one" in reason
+        else:
+            assert reason is None
+    q64 = jax.ShapeDtypeStruct((S, 2 * H, 64), jnp.float32)
+    kernel_cache = jax.eval_shape(lambda: init_cache(kernel_config))
+    for loop in range(L):
+        assert attention_support(q64, kernel_cache, tables, loop=loop) is None
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((S, 2 * H, D)), jnp.float32)
     lens = jnp.asarray([T, T - 6], jnp.int32)
     for loop in range(L):
-        got = paged_decode_attention(q, cache, tables, lens, loop=loop)
         ks, vs = zip(*(gather(cache, seq_id=s, seq_len=T, block_table=tables[s], loop=loop)
                        for s in range(S)), strict=True)  # fmt: skip
         want = dense_decode_attention(q, jnp.stack(ks), jnp.stack(vs), lens)
         atol = rotated_space_atol(cache, loop, jnp.stack(vs), base=2e-5)
+        got = paged_decode_attention(q, cache, tables, lens, loop=loop)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=atol)
-    with pytest.raises(ValueError, match="XLA path"):
-        decode_pages(cache, "value", jnp.arange(2, dtype=jnp.int32), loop=2,
-                     backend="pallas_interpret")  # fmt: skip
 
 
 def test_adaptive_exits_across_absolute_loops():

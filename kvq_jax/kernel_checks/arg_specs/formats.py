@@ -1,8 +1,10 @@
-"""Registered calibrated formats the kernels' argument specs use (tests, lowering, benchmarks).
+"""Calibrated formats the kernels' argument specs use (tests, lowering, benchmarks).
 
 INTB tables here are synthetic: widths 2, 6, 3, 5, 4, 4, 7, 1 (4 bits per channel on average)
-repeated over the channels and rolled per (layer, head), so every row differs; registering is
-idempotent (the same table, the same name).
+repeated over the channels and rolled per (layer, head), so every row differs. Naming a
+format registers nothing: a spec's `config()` calls `ensure_registered` with its formats,
+and `unregister_synthetic` takes them out of the registry again (the test suite does so after
+every module, so the process-wide registry holds only what a test registers itself).
 """
 
 from __future__ import annotations
@@ -10,23 +12,49 @@ from __future__ import annotations
 import numpy as np
 
 _PATTERN = (2, 6, 3, 5, 4, 4, 7, 1)
+_CODECS: dict = {}  # name -> the codec to register on demand
 
 
 def _row(head_dim: int, shift: int) -> list[int]:
     return np.roll(np.resize(np.array(_PATTERN), head_dim), shift).tolist()
 
 
-def intb_format(heads: int, head_dim: int) -> str:
-    """A registered INTB format of one [heads, head_dim] table (FORMAT.md 2b)."""
-    from kvq_jax.codecs.formats.intb import register_table
+def _remember(codec) -> str:
+    _CODECS.setdefault(codec.name, codec)
+    return codec.name
 
-    return register_table([_row(head_dim, h) for h in range(heads)])
+
+def intb_format(heads: int, head_dim: int) -> str:
+    """The name of a synthetic INTB format of one [heads, head_dim] table (FORMAT.md 2b)."""
+    from kvq_jax.codecs.formats.intb import IntBCodec
+
+    return _remember(IntBCodec([_row(head_dim, h) for h in range(heads)]))
 
 
 def intb_layers_format(heads: int, head_dim: int, layers: int = 3) -> str:
-    """A registered INTB format with one table per model layer (layer l, head h rolled by
-    3 l + h)."""
-    from kvq_jax.codecs.formats.intb import register_layer_tables
+    """The name of a synthetic INTB format with one table per model layer (layer l, head h
+    rolled by 3 l + h)."""
+    from kvq_jax.codecs.formats.intb import IntBLayersCodec
 
     tables = [[_row(head_dim, 3 * layer + h) for h in range(heads)] for layer in range(layers)]
-    return register_layer_tables(tables)
+    return _remember(IntBLayersCodec(tables))
+
+
+def ensure_registered(*formats) -> None:
+    """Register each synthetic format among `formats` (names or tuples of names) that the
+    JAX registry lacks; other names pass through untouched."""
+    from kvq_jax.codecs.registry import CODECS, register_codec
+
+    for fmt in formats:
+        for name in (fmt,) if isinstance(fmt, str) else fmt:
+            if name in _CODECS and name not in CODECS:
+                register_codec(_CODECS[name])
+
+
+def unregister_synthetic() -> None:
+    """Take every synthetic format of this module out of the JAX registry."""
+    from kvq_jax.codecs.registry import CODECS, unregister_codec
+
+    for name in _CODECS:
+        if name in CODECS:
+            unregister_codec(name)

@@ -28,7 +28,11 @@ import jax.numpy as jnp
 from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
 from kvq_jax.codecs.cache_state import at_layer
 from kvq_jax.codecs.registry import get_codec
-from kvq_jax.kernel_checks.arg_specs.formats import intb_format, intb_layers_format
+from kvq_jax.kernel_checks.arg_specs.formats import (
+    ensure_registered,
+    intb_format,
+    intb_layers_format,
+)
 
 FORMATS = ("int4", "nvfp4", "fp8_e4m3")
 FORMAT_PAIRS = tuple(itertools.product(FORMATS, FORMATS))
@@ -73,6 +77,9 @@ class ReconstructSpec:
         )
 
     def config(self, *, max_seqs: int = 1) -> PagedCacheConfig:
+        ensure_registered(
+            self.k_base_format, self.k_residual_format, self.v_base_format, self.v_residual_format
+        )
         return PagedCacheConfig(
             num_pages=self.num_pages,
             page_size=self.page_size,

@@ -23,7 +23,7 @@ from jax import lax
 
 from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache
 from kvq_jax.codecs.cache_state import at_layer, codec_view
-from kvq_jax.kernel_checks.arg_specs.formats import intb_layers_format
+from kvq_jax.kernel_checks.arg_specs.formats import ensure_registered, intb_layers_format
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,6 +87,9 @@ class PagedAttentionSpec:
     def config(self) -> PagedCacheConfig:
         _, stored = self.lengths()
         pages = int(np.sum(-(-stored // self.page_size)))
+        ensure_registered(
+            self.k_base_format, self.k_residual_format, self.v_base_format, self.v_residual_format
+        )
         return PagedCacheConfig(
             num_pages=pages + 2,  # two physical pages no sequence uses
             page_size=self.page_size,

@@ -1,0 +1,69 @@
+"""Which served policies the fused kernels take: every stored plane of the engine's caches,
+every loop, through `config_support` of decode attention and page reconstruction (shapes and
+static metadata only, so this runs without a GPU; the kernels' arithmetic is checked against
+the references in test_paged_attention.py / test_page_reconstruct.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvq_jax.engine import Engine, QuantizedStore
+from kvq_jax.kernels import page_reconstruct
+from kvq_jax.kernels.paged_attention import config_support
+from kvq_jax.models import load_model
+
+#: (model, policy, loops): served by the fused kernels on a GPU.
+KERNEL_SERVED = [
+    ("smollm2", "int4-g64", 1),
+    ("smollm2", "int4-hint4", 1),
+    ("smollm2", "intb-hint4-smollm2", 1),
+    ("random:ouro-tiny", "flashloop-legacy", 4),
+    ("random:ouro-tiny", "flashloop-kivi", 4),
+    ("random:ouro-tiny", "loops-abs-v2442", 4),
+    ("random:ouro-tiny", "loops-abs-v2442-h", 4),
+]
+#: (model, policy, loops, what the attention kernel's reason names): the XLA path.
+XLA_SERVED = [
+    ("smollm2", "intb-hint4-heavy-smollm2", 1, "has no kernel decoder"),
+    ("smollm2", "intb-prerope-hint4-heavy-smollm2", 1, "rope_theta"),
+]
+
+
+@functools.cache
+def _model(name):
+    return load_model(name, dtype=jnp.float32)
+
+
+def _caches(model_name, policy, loops):
+    model = _model(model_name)
+    engine = Engine(model, policy, num_pages=8, page_size=64, max_seqs=2, max_pages_per_seq=4,
+                    loops=loops, prefill_batch=1)  # fmt: skip
+    caches = [s.cache for s in engine.stores if isinstance(s, QuantizedStore)]
+    assert caches, "no quantized store"
+    c = model.config
+    q = jax.ShapeDtypeStruct((2, c.num_heads, c.head_dim), jnp.float32)
+    tables = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    return caches, q, tables
+
+
+@pytest.mark.parametrize("model_name, policy, loops", KERNEL_SERVED)
+def test_policy_attends_through_the_kernels(model_name, policy, loops):
+    caches, q, tables = _caches(model_name, policy, loops)
+    for cache in caches:
+        for loop in range(loops):
+            assert config_support(q, cache, tables, loop=loop) is None, (policy, loop)
+        for kind in ("key", "value"):
+            reason = page_reconstruct.config_support(cache.config, kind)
+            rotated = any(f.startswith("hint") for f in cache.config.loop_formats(kind))
+            assert (reason is None) != rotated, (policy, kind, reason)
+
+
+@pytest.mark.parametrize("model_name, policy, loops, reason", XLA_SERVED)
+def test_policy_left_to_the_xla_path_says_why(model_name, policy, loops, reason):
+    caches, q, tables = _caches(model_name, policy, loops)
+    for cache in caches:
+        assert reason in config_support(q, cache, tables, loop=0)
