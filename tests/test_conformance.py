@@ -122,14 +122,18 @@ def raises(values, **kwargs):
     raise NotImplementedError("no kernel for this shape")
 
 
-def test_a_wrong_implementation_fails_exactly_where_it_is_wrong():
-    results = check_pack(off_by_one_code, cases=CASES)
-    assert {r.name for r in results if r.skipped} == {c.name for c in CASES if c.bits is not None}
+@pytest.mark.parametrize(
+    "cases",
+    [pytest.param(JAX_SAMPLE, id="sample"), pytest.param(CASES, id="all", marks=pytest.mark.slow)],
+)
+def test_a_wrong_implementation_fails_exactly_where_it_is_wrong(cases):
+    results = check_pack(off_by_one_code, cases=cases)
+    assert {r.name for r in results if r.skipped} == {c.name for c in cases if c.bits is not None}
     failed = {r.name for r in results if not r.passed and not r.skipped}
-    nonempty_nvfp4 = {c.name for c in CASES if c.format == "nvfp4" and c.values.size}
-    assert failed == nonempty_nvfp4
+    nonempty_nvfp4 = {c.name for c in cases if c.format == "nvfp4" and c.values.size}
+    assert failed and failed == nonempty_nvfp4
     assert all("codes" in r.detail for r in results if not r.passed and not r.skipped)
-    raised = check_pack(raises, cases=CASES, register_table=lambda bits: None)
+    raised = check_pack(raises, cases=cases, register_table=lambda bits: None)
     assert all("raised NotImplementedError" in r.detail for r in raised)
 
 

@@ -26,6 +26,8 @@ from kvq_jax.engine import Engine
 BATCH_TOL = 5e-3
 
 CASES = [("int4-g16", "all"), ("bf16", "last")]
+#: the bf16 case of the two longest tests runs with --run-slow (CI time)
+SLOW_BF16 = [CASES[0], pytest.param(*CASES[1], marks=pytest.mark.slow, id="bf16-last")]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def _engine(model, policy, loop_kv, **kw):
 SPECS = [(30, 1, 40), (20, 2, 45), (35, 3, 38)]  # (prompt length, seed, new tokens)
 
 
-@pytest.mark.parametrize("policy,loop_kv", CASES, ids=[f"{p}-{k}" for p, k in CASES])
+@pytest.mark.parametrize("policy,loop_kv", SLOW_BF16, ids=["int4-g16-all", "bf16-last"])
 def test_preemption_through_swap_equals_alone(model, policy, loop_kv):
     engine = _engine(model, policy, loop_kv)
     alone = []
@@ -85,7 +87,7 @@ def _read_back(engine, request):
     return out
 
 
-@pytest.mark.parametrize("policy,loop_kv", CASES, ids=[f"{p}-{k}" for p, k in CASES])
+@pytest.mark.parametrize("policy,loop_kv", SLOW_BF16, ids=["int4-g16-all", "bf16-last"])
 def test_swap_round_trip_is_byte_exact(model, policy, loop_kv):
     engine = _engine(model, policy, loop_kv, num_pages=7)
     victim = engine.submit(prompt_of(50, 7), max_new_tokens=30, priority=5)
