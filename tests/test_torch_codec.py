@@ -764,6 +764,25 @@ BAD_PACK_ARGS = [
 ]
 
 
+@pytest.fixture
+def builtin_registries():
+    """Both stacks' registries as a fresh process has them (the built-in formats) during the
+    test: codecs other test modules of this worker registered (engine policies' INTB tables,
+    heavy-row formats) are set aside and put back afterwards. Error texts list the formats."""
+    builtin = {*constants.FORMATS, *constants.ROTATED_FORMATS}
+    saved = []
+    for registry in (kq, treg):
+        extra = [registry.CODECS[n] for n in list(registry.CODECS) if n not in builtin]
+        for codec in extra:
+            registry.unregister_codec(codec.name)
+        saved.append((registry, extra))
+    yield
+    for registry, extra in saved:
+        for codec in extra:
+            registry.register_codec(codec, replace=True)
+
+
+@pytest.mark.usefixtures("builtin_registries")
 @pytest.mark.parametrize("args", BAD_PACK_ARGS, ids=repr)
 def test_argument_errors_match_jax(args):
     xj, xt = _pair(X)
@@ -797,6 +816,7 @@ def test_value_errors_match_jax():
         tapi.unpack_kv(pj)
 
 
+@pytest.mark.usefixtures("builtin_registries")
 def test_residual_errors_match_jax():
     loops = make_chain(loops=2, t=12, d=8)
     prev = loops[0]
@@ -985,6 +1005,7 @@ def test_metadata_equals_jax_metadata():
         assert hash(pt.dtype) == hash(pj.dtype)
 
 
+@pytest.mark.usefixtures("builtin_registries")
 def test_registry():
     class Twice(treg.CODECS["int4"].__class__):
         name = "int4_twice"

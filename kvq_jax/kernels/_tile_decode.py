@@ -68,6 +68,7 @@ from kvq_jax.kernels import _exact
 __all__ = [
     "FIELDS",
     "FORMATS",
+    "INTB_FIELDS",
     "ROTATED",
     "add_in_dtype_tile",
     "affine_tile",
@@ -75,9 +76,17 @@ __all__ = [
     "decode_tile",
     "e4m3_to_f32",
     "expand_groups",
+    "fields",
     "fp8_tile",
+    "gather_bytes",
     "int2_tile",
     "int4_tile",
+    "intb_codes",
+    "intb_maps",
+    "intb_row",
+    "is_intb",
+    "kernel_arrays",
+    "load_intb_tile",
     "load_tile",
     "nvfp4_tile",
     "reconstruct_tile",
@@ -167,11 +176,19 @@ def intb_codes(codes_ref, lead: tuple, page, head, start, bits, rows: int):
     return (word >> shift) & mask
 
 
+def intb_row(layer, tables: int):
+    """The row of an INTB plane's code maps (`intb_maps`, [tables, H, D]) that layer `layer`
+    reads: 0 for a format of one table (a cache with a per-layer plane beside it carries
+    layers >= 1), else the layer clamped to [0, tables - 1] as the XLA path's gather does."""
+    return 0 if tables == 1 else jnp.clip(layer, 0, tables - 1)
+
+
 def load_intb_tile(refs, lead: tuple, page, head, layer, load) -> dict:
     """The `decode_tile` arrays of one INTB (page, head) tile: codes gathered (`intb_codes`)
     with layer `layer`'s maps, minimum and scale as `load(ref)` loads a metadata tile."""
     codes_ref, min_ref, scale_ref, starts_ref, bits_ref = refs
-    start, bits = starts_ref[layer, head, :], bits_ref[layer, head, :]
+    row = intb_row(layer, starts_ref.shape[0])
+    start, bits = starts_ref[row, head, :], bits_ref[row, head, :]
     rows = codes_ref.shape[-3]  # [*lead, P, page_size, H, W]
     return {
         "codes": intb_codes(codes_ref, lead, page, head, start, bits, rows),
@@ -184,11 +201,11 @@ def load_tile(fmt: str, refs, lead: tuple, page, head) -> dict:
     """Load one (page, head) tile from whole-array refs of a paged cache plane.
 
     refs: the plane's refs in FIELDS[fmt] order, shaped as the cache stores them with
-    `lead` leading indices first (() for a base plane [P, ...], (r,) for delta plane r of a
-    [L-1, P, ...] plane): codes / minimum / scale / block_scale [*lead, P, rows, H, cols],
-    global_scale [*lead, P], FP8 scale [*lead, P, page_size, H]. page, head: scalar ints
-    (traced is fine, e.g. a page id loaded in the kernel). Returns the `arrays` dict of
-    `decode_tile`.
+    `lead` leading indices first (() for a base plane [P, ...], (r,) for level r of a plane
+    holding a run of loops [len(run), P, ...]): codes / minimum / scale / block_scale
+    [*lead, P, rows, H, cols], global_scale [*lead, P], FP8 scale [*lead, P, page_size, H].
+    page, head: scalar ints (traced is fine, e.g. a page id loaded in the kernel). Returns the
+    `arrays` dict of `decode_tile`.
     """
     out = {}
     for field, ref in zip(FIELDS[fmt], refs, strict=True):
@@ -353,8 +370,11 @@ def chain_steps(cache, kind: str, loop: int) -> tuple[tuple, list]:
     order of `PagedCacheConfig.chain`: the first is loop 0 or the last loop stored absolute
     at or before `loop` (decoded alone), every later one a delta; plane indexes `planes`;
     level is the loop's index on that plane's loop axis (None for the base plane [P, ...]).
-    Adaptive-exit caches (chains from loop 0 through absolute loops) are not planned here."""
+    Adaptive-exit caches (chains from loop 0 through absolute loops, per-row depths) have no
+    kernel plan: a ValueError (the kernels' config_support declines them)."""
     config = cache.config
+    if config.adaptive_exit:
+        raise ValueError("cache.config.adaptive_exit: no kernel plan (the XLA path decodes it)")
     index: dict = {}
     planes, steps = [], []
     for i in config.chain(kind, loop):

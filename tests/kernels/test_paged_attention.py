@@ -421,6 +421,7 @@ def test_config_support_reasons():
     mixed = dict(num_loops=3, v_base_format="hint4", v_residual_format=("hint4", "int4"))
     assert reason(loop=1, **mixed) is None  # loops 0-1: rotated only
     assert "mix Hadamard-rotated and plain" in reason(loop=2, **mixed)
+    assert "mix Hadamard-rotated and plain" in reason(loop=np.int64(2), **mixed)
     assert reason(loop=2, v_absolute=(2,), **mixed) is None  # loop 2 read alone
     name = register_table(np.full((2, 64), 4))
     try:

@@ -246,3 +246,33 @@ def test_add_in_dtype_tile_lowers_for_cuda(dtype):
     )
     args = (jax.ShapeDtypeStruct((16, 64), dtype), jax.ShapeDtypeStruct((16, 64), jnp.float32))
     assert "__gpu$xla.gpu.triton" in lower_for_gpu(fn, *args).as_text()
+
+
+def test_a_one_table_intb_plane_reads_its_one_map_row_at_any_layer():
+    """A cache with a per-layer INTB plane carries layers >= 1; a one-table INTB plane beside
+    it has code maps [1, H, D] and must read row 0 at every layer (a Triton ref index is not
+    bounds-checked, so an out-of-range row reads other memory). The maps here are numpy
+    arrays, which raise on an out-of-range row; the decoded tile equals `unpack_kv`."""
+    from kvq_jax.codecs.formats.intb import register_table
+    from kvq_jax.codecs.registry import unregister_codec
+
+    rng = np.random.default_rng(0)
+    row = [2, 6, 3, 5, 4, 4, 7, 1] * 8  # 256 bits per row
+    fmt = register_table([row, row[::-1]])
+    try:
+        x = rng.standard_normal((16, 2, 64)).astype(np.float32)
+        packed = pack_kv(x, kind="key", format=fmt, group_size=16)
+        starts, bits = _tile_decode.intb_maps(fmt)
+        assert starts.shape == (1, 2, 64)
+        codes = jnp.asarray(packed.codes)[None]  # [P = 1, rows, H, W]
+        meta = {"minimum": packed.minimum[None], "scale": packed.scale[None]}
+        refs = (codes, meta["minimum"], meta["scale"], starts, bits)
+        expected = np.asarray(unpack_kv(packed, np.float32))[:, HEAD]
+        for layer in (0, 2, 7):
+            tile = _tile_decode.load_intb_tile(refs, (), 0, HEAD, layer, lambda r: r[0, :, HEAD, :])
+            got = _tile_decode.decode_tile(fmt, "tokens", 16, tile, interpret=True)
+            assert_same_values(got, expected, f"layer {layer}")
+        # a per-layer format's rows clamp to [0, N - 1], as the XLA path's gather does
+        assert _tile_decode.intb_row(7, 3) == 2 and _tile_decode.intb_row(-1, 3) == 0
+    finally:
+        unregister_codec(fmt)

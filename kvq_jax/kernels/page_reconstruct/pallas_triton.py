@@ -4,9 +4,9 @@ Grid (N, H): program (i, h) reads physical page `pages[i]` (loaded inside the ke
 packed planes are whole-array refs indexed with that id), head h: the tiles of that page on
 loop l's chain (`PagedKVCache.loop_chain`: loop 0 or the last loop stored absolute at or
 before l, then every later loop up to l, each plane in its own format), and writes loop l's
-tile [page_size, D] in the cache dtype. The running reconstruction stays in registers; an
-absolute loop replaces it, a delta is added and rounded to the cache dtype exactly as
-`decode_residual` (`add_in_dtype`) does, so the output is bit for bit
+tile [page_size, D] in the cache dtype. The running reconstruction stays in registers: the
+chain's first plane is decoded alone, each later delta is added and rounded to the cache
+dtype exactly as `decode_residual` (`add_in_dtype`) does, so the output is bit for bit
 `kvq_jax.cache.paged_cache.decode_pages` (NaNs compared as NaN). Intermediate loops are never
 written to memory.
 
@@ -40,7 +40,7 @@ def _as_bits(a):
 def _kernel(ids_ref, layer_ref, *refs, steps, fields, dtype, interpret):
     *in_refs, out_ref = refs
     plane_refs, at = [], 0
-    for n in fields:  # each plane's refs, in `_plane_arrays` order
+    for n in fields:  # each plane's refs, in `_tile_decode.kernel_arrays` order
         plane_refs.append(in_refs[at : at + n])
         at += n
     i, h = pl.program_id(0), pl.program_id(1)

@@ -90,7 +90,7 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
                     f"cache.config: {kind} loop {i} {fmt} group size {g} along "
                     f"{axis} must be a power of two dividing {length} (Triton tile shapes)"
                 )
-    if isinstance(loop, int) and 0 <= loop < config.num_loops:
+    if checks.is_int(loop) and 0 <= loop < config.num_loops:
         chain = {config.loop_format("value", i) in ROTATED for i in config.chain("value", loop)}
         if len(chain) > 1:
             return (

@@ -8,12 +8,15 @@ the attended pages ceil(seq_len / page_size):
   - a page complete in the cache (page i with (i + 1) * page_size <= stored length): its
     physical id is a scalar load from the block table; the K and V tiles [page_size, D] of
     its KV head are dequantized (`_tile_decode.decode_tile`, bit-exact with the codecs),
-    rounded to the cache dtype and taken through the loop chain up to `loop`
-    (`_tile_decode.reconstruct_tile`: per-loop formats, an absolute loop's rows replacing
-    the reconstruction, a delta added with the rounding of `decode_residual`), so the values
-    attended are exactly `gather_batch`'s;
-  - the partial page (i == stored // page_size) comes from the staging rows (raw, cache dtype);
-  - positions < sink come from the raw sink rows (padded to whole pages outside the kernel);
+    rounded to the cache dtype and taken through the loop's chain
+    (`_tile_decode.reconstruct_tile`: from loop 0 or the last absolute loop at or before
+    `loop`, per-loop formats, each delta added with the rounding of `decode_residual`), so the
+    values attended are exactly `gather_batch`'s; HINT values stay in the rotated space (the
+    output is un-rotated once, as the XLA path does);
+  - the partial page (i == stored // page_size) comes from the staging rows (raw, cache dtype;
+    rotated float32 for HINT values);
+  - positions < sink come from the raw sink rows (padded to whole pages outside the kernel;
+    rotated float32 for HINT values);
   - positions >= seq_len are masked (score -inf, V row 0).
 
 Scores are q k^T / sqrt(D) in float32: `pltriton.dot` (HIGHEST precision, rows padded to 16) for
@@ -40,13 +43,10 @@ from kvq_jax.codecs.formats.hadamard import rotate, unrotate
 from kvq_jax.core import registry
 from kvq_jax.kernels import _tile_decode
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import chain_steps, reconstruct_tile
-from kvq_jax.kernels.page_reconstruct.xla import rotated_chain
+from kvq_jax.kernels._tile_decode import ROTATED, chain_steps, reconstruct_tile
 
 #: Query heads per KV head from which scores use pltriton.dot (Triton dots need M, N, K >= 16).
 DOT_MIN_GROUP = _launch.DOT_MIN_GROUP
-#: PackedKV array fields per format, in the order the kernel takes them.
-FIELDS = _tile_decode.FIELDS
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -139,7 +139,8 @@ def _kernel(*refs, chains, rotated, stage_loop, dtype, page_size, pages_per_spli
                 meta = lambda r: _load_tile(r, lead, page, h)  # noqa: E731
                 return _tile_decode.load_intb_tile(refs_, lead, page, h, layer_ref[0], meta)
             return {
-                n: _load_tile(r, lead, page, h) for n, r in zip(FIELDS[fmt], refs_, strict=True)
+                n: _load_tile(r, lead, page, h)
+                for n, r in zip(_tile_decode.FIELDS[fmt], refs_, strict=True)
             }
 
         rot = rotated and kind == "value"
@@ -263,8 +264,15 @@ def paged_decode_attention(
         for plane in planes:
             arrays += _plane_arrays(plane)
     # Values of a rotated chain are attended in the rotated space: their raw rows (this loop's
-    # staging rows of every slot, the batch's sink rows) are rotated here, float32.
-    rotated = rotated_chain(cache.loop_chain("value", loop))
+    # staging rows of every slot, the batch's sink rows) are rotated here, float32. A chain
+    # mixing rotated and plain planes, or rotated keys, has no kernel plan (config_support).
+    v_rotated = {step[0] in ROTATED for step in chains["value"][0]}
+    if len(v_rotated) > 1 or any(step[0] in ROTATED for step in chains["key"][0]):
+        raise ValueError(
+            f"loop {loop}: rotated keys or a value chain mixing rotated and plain formats "
+            "(config_support declines it; XLA path)"
+        )
+    rotated = v_rotated == {True}
     v_stage, stage_loop = cache.v_stage, {"key": loop, "value": loop}
     if rotated:
         v_stage, stage_loop["value"] = rotate(v_stage[loop : loop + 1].astype(jnp.float32)), 0
