@@ -62,8 +62,8 @@ def test_vectors_cover_formats_dtypes_and_edge_cases():
 
 
 #: numpy inputs differ from jax inputs only at the entry conversion: every 9th vector (none of
-#: the JAX sample's below) and the first of each (format, dtype) runs with numpy inputs by
-#: default, all of them with --run-slow.
+#: the JAX sample's below) and the first of each (format, dtype), and all of them, with
+#: --run-slow (by default test_cli_reports_pass_and_fail runs every vector with numpy inputs).
 _FIRST = {
     (c.format if c.bits is None else "intb", c.values.dtype.name): c.name for c in reversed(CASES)
 }
@@ -78,7 +78,8 @@ JAX_SAMPLE = [c for i, c in enumerate(CASES) if i % 3 == 0 or c.name in _FIRST.v
     [
         pytest.param("jax", JAX_SAMPLE, id="jax-sample"),
         pytest.param("jax", CASES, id="jax", marks=pytest.mark.slow),
-        pytest.param("numpy", NUMPY_SAMPLE, id="numpy-sample"),
+        # numpy inputs of every vector: test_cli_reports_pass_and_fail (the CLI's default)
+        pytest.param("numpy", NUMPY_SAMPLE, id="numpy-sample", marks=pytest.mark.slow),
         pytest.param("numpy", CASES, id="numpy", marks=pytest.mark.slow),
     ],
 )
@@ -137,11 +138,15 @@ def test_a_wrong_implementation_fails_exactly_where_it_is_wrong(cases):
     assert all("raised NotImplementedError" in r.detail for r in raised)
 
 
-def test_cli_reports_pass_and_fail(capsys):
+@pytest.mark.slow
+def test_cli_skips_table_cases_without_a_register_table(capsys):
     table_cases = sum(c.bits is not None for c in CASES)
     assert cli.main(["conformance", "--unpack", "kvq_jax:unpack_kv"]) == 0
     out = capsys.readouterr().out
     assert f"{len(CASES) - table_cases} passed, 0 failed, {table_cases} skipped" in out
+
+
+def test_cli_reports_pass_and_fail(capsys):
     register = ["--register-table", "kvq_jax.codecs.formats.intb:register_table"]
     assert cli.main(["conformance", "--unpack", "kvq_jax:unpack_kv", *register]) == 0
     out = capsys.readouterr().out

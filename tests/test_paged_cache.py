@@ -140,7 +140,7 @@ def take(packed, *index):
     "name, mode",
     [
         ("int4-p4-sink2", "decode"),
-        ("int4-p4-sink2", "chunked"),
+        pytest.param("int4-p4-sink2", "chunked", marks=pytest.mark.slow),  # int2: chunked
         ("mixed-p8-bf16", "decode"),
         ("int2-p8-bf16", "chunked"),
     ],

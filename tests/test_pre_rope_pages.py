@@ -154,7 +154,7 @@ def test_pages_and_reads(dtype, chunks, fmt):
     _check_reads(cache, config)
 
 
-@pytest.mark.parametrize("absolute", [(), (1,)])
+@pytest.mark.parametrize("absolute", [(), pytest.param((1,), marks=pytest.mark.slow)])
 def test_later_loops_chain_before_rope(absolute):
     """Loop 1 as a delta (INT2) against the reconstructed loop 0 in the stored space, or packed
     on its own (absolute), both before RoPE; read back with RoPE at the same positions."""
@@ -236,7 +236,7 @@ def test_planted_defect_wrong_positions(monkeypatch):
         _check_reads(cache, config)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_torch_cache_has_the_same_bytes(dtype):
     """The Torch paged cache given the same appends (a delta loop, chunks) holds the JAX
     cache's bytes, gathers the same rows and attends to the same output (float32 round-off);

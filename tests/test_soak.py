@@ -23,14 +23,16 @@ from kvq_jax.engine import Engine
 
 VOCAB = 97
 #: (policy, loop_kv, exit threshold: < 1 exits early and skips loops, seed)
-#: (policy, loop_kv, exit threshold, seed): the windowed INT4 mode by default, all three with
-#: --run-slow (CI time: ~80 s each)
+#: (policy, loop_kv, exit threshold, seed, requests): the windowed INT4 mode with 80 requests
+#: by default; with --run-slow it runs 170, and the other two modes 170 each (510 in all).
 MODES = (
-    pytest.param("int4-g16", "all", 0.5, 1, marks=pytest.mark.slow, id="int4-g16-all"),
-    pytest.param("int4-g16+win", "last", 1.0, 2, id="int4-g16+win-last"),
-    pytest.param("bf16", "mean", 0.6, 3, marks=pytest.mark.slow, id="bf16-mean"),
+    pytest.param("int4-g16", "all", 0.5, 1, 170, marks=pytest.mark.slow, id="int4-g16-all"),
+    pytest.param("int4-g16+win", "last", 1.0, 2, 80, id="int4-g16+win-last"),
+    pytest.param(
+        "int4-g16+win", "last", 1.0, 2, 170, marks=pytest.mark.slow, id="int4-g16+win-last-170"
+    ),
+    pytest.param("bf16", "mean", 0.6, 3, 170, marks=pytest.mark.slow, id="bf16-mean"),
 )
-REQUESTS_PER_MODE = 170  # 510 in all
 
 
 def _requests(rng, n):
@@ -68,15 +70,15 @@ def _maybe_fork(engine, rng, forks, p=0.15):
     forks.append((child, dict(max_new_tokens=budget, stop_ids=sorted(parent.stop_ids))))
 
 
-@pytest.mark.parametrize("policy,loop_kv,threshold,seed", MODES)
-def test_soak(policy, loop_kv, threshold, seed):
+@pytest.mark.parametrize("policy,loop_kv,threshold,seed,requests", MODES)
+def test_soak(policy, loop_kv, threshold, seed, requests):
     model = tiny_model("ouro", seed=7, layers=1, hidden=64, heads=2, kv_heads=2, head_dim=32,
                        loops=2, threshold=threshold)  # fmt: skip
     engine = Engine(model, policy, num_pages=40, page_size=16, max_seqs=6,
                     max_pages_per_seq=20, prefill_chunk=64, loop_kv=loop_kv,
                     prefill_batch=2)  # fmt: skip
     rng = np.random.default_rng(seed)
-    specs = _requests(rng, REQUESTS_PER_MODE)
+    specs = _requests(rng, requests)
     submitted = []
     forks = []  # (child, its options for the alone run)
     for wave in range(0, len(specs), 40):  # new requests arrive while others run
@@ -91,7 +93,8 @@ def test_soak(policy, loop_kv, threshold, seed):
         assert pool.num_free_pages == pool.num_pages and not pool.live_slots
     assert not engine.running and not engine.waiting and not engine.swapped
     assert not engine._host_kv
-    assert engine.stats["preemptions"] >= 5 and engine.stats["forks"] >= 5, engine.stats
+    need = 5 if requests >= 170 else 2  # the schedule really preempted and forked
+    assert engine.stats["preemptions"] >= need and engine.stats["forks"] >= need, engine.stats
     for child, options in forks:
         specs.append((child.prompt, options))
         submitted.append(child)
