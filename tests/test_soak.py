@@ -1,16 +1,16 @@
 """Soak: hundreds of random requests through the engine, then nothing leaked and every request
 equal to itself alone.
 
-Seeded: 510 requests (prompt lengths 1-300, 1-12 new tokens, random stop ids, priorities
-0-2, greedy and sampled) through a tiny 2-loop Ouro under three loop_kv modes ("all" with
-int4-g16 and exits that skip loops, "last" with int4-g16+win, "mean" with bf16 and exits),
-queued in waves into an engine of 6 slots and a pool too small for all of them at once, so
-requests wait, join, leave, are preempted (swapped to host memory and back) and forked
-(greedy children of greedy requests, sharing their pages) continuously. At the end: every
-page and slot back with the allocators (the pool and the prefill scratch pool), nothing
-left in host memory, and each request's (and fork's) tokens, exit loops and finish reason
-equal those of the same request run alone in the idle engine afterwards (same compiled
-shapes: all slots run every step).
+With --run-slow (a long case). Seeded: 510 requests (prompt lengths 1-300, 1-12 new tokens,
+random stop ids, priorities 0-2, greedy and sampled) through a tiny 2-loop Ouro under three
+loop_kv modes ("all" with int4-g16 and exits that skip loops, "last" with int4-g16+win, "mean"
+with bf16 and exits), queued in waves into an engine of 6 slots and a pool too small for all of
+them at once, so requests wait, join, leave, are preempted (swapped to host memory and back)
+and forked (greedy children of greedy requests, sharing their pages) continuously. At the end:
+every page and slot back with the allocators (the pool and the prefill scratch pool), nothing
+left in host memory, and each request's (and fork's) tokens, exit loops and finish reason equal
+those of the same request run alone in the idle engine afterwards (same compiled shapes: all
+slots run every step).
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ from tiny_models import tiny_model
 from kvq_jax.engine import Engine
 
 VOCAB = 97
-#: (policy, loop_kv, exit threshold: < 1 exits early and skips loops, seed)
-#: (policy, loop_kv, exit threshold, seed, requests): the windowed INT4 mode with 80 requests
-#: by default; with --run-slow it runs 170, and the other two modes 170 each (510 in all).
+#: (policy, loop_kv, exit threshold: < 1 exits early and skips loops, seed, requests). A soak
+#: is a long case: every mode runs with --run-slow only (CI time: ~2 min for 80 requests on a
+#: busy 2-core machine); the engine's scheduling paths run by default in
+#: test_engine_scheduling.py and test_engine.py.
 MODES = (
     pytest.param("int4-g16", "all", 0.5, 1, 170, marks=pytest.mark.slow, id="int4-g16-all"),
-    pytest.param("int4-g16+win", "last", 1.0, 2, 80, id="int4-g16+win-last"),
+    pytest.param(
+        "int4-g16+win", "last", 1.0, 2, 80, marks=pytest.mark.slow, id="int4-g16+win-last"
+    ),
     pytest.param(
         "int4-g16+win", "last", 1.0, 2, 170, marks=pytest.mark.slow, id="int4-g16+win-last-170"
     ),
