@@ -15,6 +15,7 @@ from kvq_jax.engine import Engine, QuantizedStore
 from kvq_jax.kernels import page_reconstruct
 from kvq_jax.kernels.paged_attention import config_support
 from kvq_jax.models import load_model
+from kvq_jax.models.loading import MissingPackages
 
 #: (model, policy, loops): served by the fused kernels on a GPU.
 KERNEL_SERVED = [
@@ -39,7 +40,10 @@ def _model(name):
 
 
 def _caches(model_name, policy, loops):
-    model = _model(model_name)
+    try:
+        model = _model(model_name)
+    except MissingPackages as e:  # the jax 0.12 CI stage installs no model packages
+        pytest.skip(str(e))
     engine = Engine(model, policy, num_pages=8, page_size=64, max_seqs=2, max_pages_per_seq=4,
                     loops=loops, prefill_batch=1)  # fmt: skip
     caches = [s.cache for s in engine.stores if isinstance(s, QuantizedStore)]
