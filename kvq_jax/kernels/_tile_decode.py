@@ -86,6 +86,7 @@ __all__ = [
     "intb_row",
     "is_intb",
     "kernel_arrays",
+    "layer_operand",
     "load_intb_tile",
     "load_tile",
     "nvfp4_tile",
@@ -174,6 +175,11 @@ def intb_codes(codes_ref, lead: tuple, page, head, start, bits, rows: int):
     shift = (start % 8).astype(jnp.uint32)[None, :]
     mask = ((jnp.uint32(1) << bits.astype(jnp.uint32)) - 1)[None, :]
     return (word >> shift) & mask
+
+
+def layer_operand(layer) -> jnp.ndarray:
+    """The kernels' layer input: int32 [1] (0 for a cache without per-layer formats)."""
+    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
 
 
 def intb_row(layer, tables: int):

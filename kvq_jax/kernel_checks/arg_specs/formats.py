@@ -12,6 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 _PATTERN = (2, 6, 3, 5, 4, 4, 7, 1)
+#: loops-abs-v2442's per-loop schedule (4 loops): K INT2 in every loop, each absolute; V INT2 /
+#: INT4 / INT4 / INT2 with loops 1-2 absolute and loop 3 a delta.
+V2442 = dict(
+    k_base_format="int2", k_residual_format="int2", k_absolute=(1, 2, 3),
+    v_base_format="int2", v_residual_format=("int4", "int4", "int2"), v_absolute=(1, 2),
+)  # fmt: skip
 _CODECS: dict = {}  # name -> the codec to register on demand
 
 

@@ -29,6 +29,7 @@ from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
 from kvq_jax.codecs.cache_state import at_layer
 from kvq_jax.codecs.registry import get_codec
 from kvq_jax.kernel_checks.arg_specs.formats import (
+    V2442,
     ensure_registered,
     intb_format,
     intb_layers_format,
@@ -149,13 +150,6 @@ def _pairs_as_specs(**geometry) -> list[ReconstructSpec]:
         for k, v in zip(pairs[0::2], pairs[1::2], strict=True)
     ]
 
-
-#: loops-abs-v2442's per-loop schedule: K INT2 in every loop, each absolute; V INT2 / INT4 /
-#: INT4 / INT2 with loops 1-2 absolute and loop 3 a delta.
-V2442 = dict(
-    k_base_format="int2", k_residual_format="int2", k_absolute=(1, 2, 3),
-    v_base_format="int2", v_residual_format=("int4", "int4", "int2"), v_absolute=(1, 2),
-)  # fmt: skip
 
 SUPPORTED_SPECS = tuple(
     spec

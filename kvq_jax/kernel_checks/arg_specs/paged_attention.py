@@ -23,7 +23,7 @@ from jax import lax
 
 from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache
 from kvq_jax.codecs.cache_state import at_layer, codec_view
-from kvq_jax.kernel_checks.arg_specs.formats import ensure_registered, intb_layers_format
+from kvq_jax.kernel_checks.arg_specs.formats import V2442, ensure_registered, intb_layers_format
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,13 +129,6 @@ def _spec(name, batch, hq, h, d, ps, ctx, **kw) -> PagedAttentionSpec:
         name=name, batch=batch, q_heads=hq, kv_heads=h, head_dim=d, page_size=ps, context=ctx, **kw
     )
 
-
-#: loops-abs-v2442's per-loop schedule: K INT2 in every loop, each absolute; V INT2 / INT4 /
-#: INT4 / INT2 with loops 1-2 absolute and loop 3 a delta.
-V2442 = dict(
-    k_base_format="int2", k_residual_format="int2", k_absolute=(1, 2, 3),
-    v_base_format="int2", v_residual_format=("int4", "int4", "int2"), v_absolute=(1, 2),
-)  # fmt: skip
 
 #: Small configurations the tests run in interpret mode (each a case of the test matrix).
 # fmt: off

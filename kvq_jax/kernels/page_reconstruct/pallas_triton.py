@@ -77,8 +77,7 @@ def decode_pages(planes, pages, layer=None, *, steps, interpret: bool = False, l
     if n == 0:
         return jnp.zeros((0, ps, h, d), dtype)
     pages = jnp.clip(jnp.where(pages < 0, pages + num_pages, pages), 0, num_pages - 1)
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    args = [pages, layer.reshape(1)]
+    args = [pages, _tile_decode.layer_operand(layer)]
     for plane in planes:
         args += _tile_decode.kernel_arrays(plane, _as_bits)
     kernel = functools.partial(

@@ -298,7 +298,7 @@ def paged_decode_attention(
         sink=config.sink,
         interpret=interpret,
     )
-    layer = jnp.asarray(0 if cache.layer is None else cache.layer, jnp.int32).reshape(1)
+    layer = _tile_decode.layer_operand(cache.layer)
     inputs = [qf, tables, jnp.asarray(seq_lens, jnp.int32), stored, slots, layer, *arrays]
     in_specs = [pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0))]
     in_specs += [pl.no_block_spec] * (len(inputs) - 1)
