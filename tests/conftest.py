@@ -1,5 +1,11 @@
 """Shared pytest options: --run-gpu runs CUDA cases, --run-slow runs long ones.
 
+`@pytest.mark.thin(n)` on a parametrized test: the default run takes one case in n (in
+collection order, case i where i % n == (i // n) % n: the kept cases step through the inner
+parameters instead of repeating one value; collection fails where a value of a parameter
+would be left out entirely), the others run with --run-slow (CI time: the variants of one check
+differ in shapes and dtypes, not in code path).
+
 Without --run-gpu the suite runs on the CPU (JAX_PLATFORMS=cpu unless set): with the CUDA
 plugin installed (the `cuda-compile` extra, for the deviceless `cuda_compile` tests) JAX would
 otherwise try, and fail, to start a CUDA backend on a machine without a GPU.
@@ -23,6 +29,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--run-slow"):
+        thin_out(items)
     for marker, option in (("gpu", "--run-gpu"), ("slow", "--run-slow")):
         if config.getoption(option):
             continue
@@ -30,6 +38,33 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+def thin_out(items) -> None:
+    """Mark slow the cases `@pytest.mark.thin(n)` leaves out of the default run; raise
+    pytest.UsageError naming the test where a value of one of its parameters would be left
+    out entirely (choose another n)."""
+    families: dict[str, list] = {}
+    for item in items:
+        thin = item.get_closest_marker("thin")
+        if thin is None or not hasattr(item, "callspec"):
+            continue
+        family = families.setdefault(item.nodeid.split("[")[0], [])
+        n, i = thin.args[0], len(family)
+        family.append(item)
+        if i % n != (i // n) % n:  # a diagonal: not always the same inner value
+            item.add_marker(pytest.mark.slow)
+    for name, family in families.items():
+        kept = [item for item in family if "slow" not in item.keywords]
+        for param in family[0].callspec.params:
+            lost = {repr(i.callspec.params[param]) for i in family} - {
+                repr(i.callspec.params[param]) for i in kept
+            }
+            if lost:
+                raise pytest.UsageError(
+                    f"@pytest.mark.thin leaves {param}={', '.join(sorted(lost))} of {name} "
+                    "out of the default run: choose another n"
+                )
 
 
 # -- tiny models (tests/tiny_models.py; imported in the fixture: jax only after configure) ----

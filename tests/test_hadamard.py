@@ -183,6 +183,7 @@ def _check_torch(x, fmt, kind, g, axis):
         assert_same_values(got, oracle.unpack(expected, dt), f"torch decoded as {dt}")
 
 
+@pytest.mark.thin(3)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape, kind, g, axis", GRID, ids=str)

@@ -57,6 +57,7 @@ def _same(got, heavy, where):
         assert a.shape == b.shape and a.tobytes() == b.tobytes(), where
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize("jit", [True, False])
 @pytest.mark.parametrize("t", [100, 97, 64])
 def test_codec_is_pack_heavy(formats, jit, t):
@@ -137,6 +138,7 @@ def _rebuilt(table, loop=0, v_format="hint4"):
     return out
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize("chunks", [[T], [37, 1, 112]])
 @pytest.mark.parametrize("layer", [None, 2])
 def test_pages_and_attention(formats, chunks, layer):

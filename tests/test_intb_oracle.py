@@ -313,6 +313,7 @@ GRID = [
 ]
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize(("key", "dtype", "group_size"), GRID)
 def test_codec_matches_oracle_random(codecs, key, dtype, group_size):
     table = TABLES[key]

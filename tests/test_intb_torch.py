@@ -166,6 +166,7 @@ def _read_stream(stream, table):
 # Torch == JAX
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("g", [1, 7, 64])
 @pytest.mark.parametrize("table", sorted(TABLES))

@@ -86,6 +86,7 @@ case = pytest.mark.parametrize(
 
 
 # (a) page-local ownership, (d) JAX == Torch, (f) unpack_paged == page by page ------------
+@pytest.mark.thin(3)
 @case
 def test_pages_own_their_bytes(format, kind, page_size, d):
     x, packed, tpacked = packed_pages(format, kind, page_size, d)

@@ -132,6 +132,7 @@ def _check_reads(cache, config, loop=0, absolute=()):
     np.testing.assert_allclose(out, dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("chunks", [[T], [37, 1, 1, 111]])
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])

@@ -66,6 +66,7 @@ def assert_code_matches_oracle(code: kq.LoopCode, base, residuals, window=None):
 # ------------------------------------------------------------------ the oracle decides
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("base_format,residual_format", list(itertools.product(FORMATS, FORMATS)))
 def test_chain_matches_oracle(base_format, residual_format, sparse):

@@ -102,9 +102,10 @@ def dense(q, k, v):
     return torch.einsum("ht,thd->hd", torch.softmax(s, -1), v.float().repeat_interleave(g, 1))
 
 
-#: INT4 runs with --run-slow (NVFP4 and kvq:fp8 take the same paths; CI time)
+#: INT4 and kvq:fp8 run with --run-slow (NVFP4 takes the same paths and its global scale; CI time)
 @pytest.mark.parametrize(
-    "kv_cache_dtype", [pytest.param("int4", marks=pytest.mark.slow), "nvfp4", "kvq:fp8"]
+    "kv_cache_dtype",
+    [pytest.param(f, marks=pytest.mark.slow) for f in ("int4", "kvq:fp8")] + ["nvfp4"],
 )
 def test_residual_loops_against_the_codec_and_kvq_jax(kv_cache_dtype):
     caches, tables, raw, outputs = run(kv_cache_dtype)

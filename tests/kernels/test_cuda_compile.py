@@ -4,7 +4,8 @@ GPU (`kvq_jax.kernel_checks.cuda_compile`: JAX deviceless AOT compilation, the p
 - `cuda_compile` tests (python -m pytest -m cuda_compile): every kernel configuration of the
   CI subset (`cuda_compile.ci_subset`: every kernel, every format, both head dims, the
   largest page; KVQ_CUDA_COMPILE=full: every configuration; =smoke: `cuda_compile.smoke_subset`,
-  every format in every role once, for the second CI environment) compiles for each target with
+  every format in every role once, for the second CI environment; for sm_120a the default run
+  takes the smoke subset, the CI subset with --run-slow) compiles for each target with
   its measured knobs (`cuda_compile.tuned_knobs`), the PTX's `.target` is the target's, no
   register spills (0 bytes of spill stores) and shared memory within the target's limit.
   A deliberately broken kernel fails with the compiler's message. They skip, saying why and
@@ -37,22 +38,26 @@ TARGETS = tuple(cc.TARGETS)
 # -- compile checks (need the CUDA plugin and ptxas) -------------------------------------------
 
 
+def _compile_cases():
+    """(cfg, target) cases, cfg fastest. At the CI level, sm_120a takes the smoke subset by
+    default and the rest of the CI subset with --run-slow (CI time: the second CI environment
+    compiles the smoke subset for sm_120a too; sm_80 and sm_90a take the whole CI subset)."""
+    smoke = {(c.kernel, c.name) for c in cc.smoke_subset(SELECTED)} if LEVEL == "ci" else None
+    for target in TARGETS:
+        for c in SELECTED:
+            marks = []
+            if (c.kernel, c.name) in cc.KNOWN_SPILLS:
+                marks.append(
+                    pytest.mark.xfail(strict=True, reason=cc.KNOWN_SPILLS[c.kernel, c.name])
+                )
+            if smoke is not None and target == "sm_120a" and (c.kernel, c.name) not in smoke:
+                marks.append(pytest.mark.slow)
+            yield pytest.param(c, target, id=f"{c.kernel}-{c.name}-{target}", marks=marks)
+
+
 @pytest.mark.cuda_compile
 @needs_compiler
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        pytest.param(
-            c,
-            id=f"{c.kernel}-{c.name}",
-            marks=[pytest.mark.xfail(strict=True, reason=cc.KNOWN_SPILLS[c.kernel, c.name])]
-            if (c.kernel, c.name) in cc.KNOWN_SPILLS
-            else [],
-        )
-        for c in SELECTED
-    ],
-)
+@pytest.mark.parametrize("cfg,target", list(_compile_cases()))
 def test_kernel_compiles_without_spills(cfg, target):
     knobs = cc.tuned_knobs(cfg, target)
     fn, args = cfg.build(knobs)

@@ -176,6 +176,8 @@ class ReconstructBase:
 
 
 class TestXLA(ReconstructBase):
+    # half of the (spec, kind) cases by default (the kernels' classes take every one)
+    pytestmark = pytest.mark.thin(2)
     backend = "xla"
 
 

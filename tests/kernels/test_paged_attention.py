@@ -175,6 +175,7 @@ def test_reference_catches_a_planted_defect(monkeypatch):
 # -- the blockwise XLA path against reconstruct-then-attend -----------------------------------
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize("block_pages", [1, 2, 64])
 @pytest.mark.parametrize("spec", arg_specs.SPECS, ids=SPEC_IDS)
 def test_blockwise_xla_equals_reconstruct_then_attend(spec, block_pages):
