@@ -10,6 +10,7 @@ import numpy as np
 from kvq_jax.codecs.api import unpack_kv
 from kvq_jax.codecs.cache_state import codec_view
 from kvq_jax.codecs.residual import KVResidual, decode_residual
+from kvq_jax.core.rope import rope_tables
 
 
 def reference_pages(cache, kind: str, loop: int, pages) -> np.ndarray:
@@ -37,23 +38,35 @@ def reference_pages(cache, kind: str, loop: int, pages) -> np.ndarray:
 
 def reference_sequence(cache, kind: str, loop: int, table_row, slot: int, length: int):
     """The rows a sequence attends in `loop`: [length, H, D] in the cache dtype. Complete pages
-    (`reference_pages`), then the staging rows of the partial page, the raw sink rows over the
-    first `sink` positions."""
+    (`reference_pages`; keys stored before RoPE with RoPE put back, `numpy_rope`), then the
+    staging rows of the partial page, the raw sink rows over the first `sink` positions."""
     config = cache.config
     ps = config.page_size
     stored = int(np.asarray(cache.seq_lens)[loop, slot])
     prefix = "k" if kind == "key" else "v"
     full = stored // ps
-    rows = [
-        reference_pages(cache, kind, loop, np.asarray(table_row)[:full]).reshape(
-            full * ps, *config.page_shape[1:]
-        )
-    ]
+    pages = reference_pages(cache, kind, loop, np.asarray(table_row)[:full]).reshape(
+        full * ps, *config.page_shape[1:]
+    )
+    if kind == "key" and config.rope_theta is not None:
+        pages = numpy_rope(pages, config.rope_theta)
+    rows = [pages]
     rows.append(np.asarray(getattr(cache, f"{prefix}_stage"))[loop, slot, : stored - full * ps])
     out = np.concatenate(rows)
     n_sink = min(config.sink, stored)
     out[:n_sink] = np.asarray(getattr(cache, f"{prefix}_sink"))[loop, slot, :n_sink]
     return out[:length]
+
+
+def numpy_rope(rows, theta: float) -> np.ndarray:
+    """FORMAT.md 5b's apply_rope of rows [T, H, D] at positions 0..T-1 in NumPy: binary64
+    x * cos + rotate_half(x) * sin of the float32 rows and the float32 tables (`rope_tables`),
+    rounded to float32, then to the rows' dtype."""
+    t, _, d = rows.shape
+    cos, sin = (a.astype(np.float64) for a in rope_tables(t, d, theta))
+    x = np.asarray(rows).astype(np.float32).astype(np.float64)
+    half = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
+    return (x * cos + half * sin).astype(np.float32).astype(rows.dtype)
 
 
 def numpy_decode_attention(q, ks, vs) -> np.ndarray:

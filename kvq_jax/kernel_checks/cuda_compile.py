@@ -626,7 +626,9 @@ def tuned_knobs(cfg: KernelConfig, target: str) -> Knobs:
     elif cfg.kernel == "page_reconstruct":
         rule = launch.page_reconstruct(cfg.page_size, cfg.head_dim)
     elif cfg.kernel == "paged_attention":
-        rule = launch.paged_attention(cfg.spec.group, cfg.head_dim, cfg.page_size)
+        from kvq_jax.kernels.paged_attention import pallas_triton
+
+        rule = pallas_triton.default_launch(cfg.spec.config(), cfg.spec.group, cfg.spec.loop)
     else:
         raise ValueError(f"unknown kernel {cfg.kernel!r}")
     return Knobs(rule.num_warps, rule.num_stages)

@@ -30,6 +30,16 @@ Per-tile arrays (shape, dtype), by format:
   fp8_e4m3  codes        uint8 (E4M3 bits) or float8_e4m3fn [ps, D]
             scale        float32 [ps]        one scale per token row of this head
 
+  heavy<G>  the base's arrays (INT4 / INT2 / HINT4 / HINT2 / INTB on token groups of G - 1,
+            one per heavy group) for the page's ps - ps/G payload rows, then (FORMAT.md 5a)
+            heavy_rows    uint8   [ps/G]     the row of each group of G held in INT8
+            heavy_codes   uint8   [ps/G, D]  INT8 codes of those rows
+            heavy_minimum float16 [ps/G]     per row, INT4's arithmetic with L = 255
+            heavy_scale   float16 [ps/G]
+            (`load_heavy_tile`: the payload's codes are loaded row by row, output row
+            g*G + i from payload row g*(G-1) + i - (i > rows[g]), so the payload decodes
+            straight into the page's rows; the heavy rows are put in by a select)
+
 E4M3 values are decoded from their bits with integer arithmetic (no fp8 convert
 instruction, so this lowers for every CUDA GPU >= sm80); pass them as uint8 (bitcast in XLA
 outside the kernel, free) or as float8_e4m3fn (bitcast here, same width).
@@ -62,12 +72,13 @@ from jax import lax
 from kvq_jax.codecs._numerics import e2m1_decode
 from kvq_jax.core import registry
 from kvq_jax.core.constants import NVFP4_GROUP_SIZE
-from kvq_jax.core.layouts import IntBLayout
+from kvq_jax.core.layouts import HEAVY_FIELDS, HeavyLayout, IntBLayout
 from kvq_jax.kernels import _exact
 
 __all__ = [
     "FIELDS",
     "FORMATS",
+    "HEAVY_BASES",
     "INTB_FIELDS",
     "ROTATED",
     "add_in_dtype_tile",
@@ -79,6 +90,11 @@ __all__ = [
     "fields",
     "fp8_tile",
     "gather_bytes",
+    "gather_rows",
+    "heavy_layout",
+    "heavy_parts",
+    "heavy_row_index",
+    "heavy_support",
     "int2_tile",
     "int4_tile",
     "intb_codes",
@@ -87,12 +103,15 @@ __all__ = [
     "is_intb",
     "kernel_arrays",
     "layer_operand",
+    "load_heavy_tile",
     "load_intb_tile",
     "load_tile",
     "nvfp4_tile",
     "reconstruct_tile",
+    "rotated_format",
     "unpack_crumbs_tile",
     "unpack_nibbles_tile",
+    "unwiden",
 ]
 
 FORMATS = ("int4", "int2", "hint4", "hint2", "nvfp4", "fp8_e4m3")
@@ -114,6 +133,26 @@ FIELDS = {
 INTB_FIELDS = ("codes", "minimum", "scale", "starts", "bits")
 
 
+#: Base formats of a heavy-row format the kernels decode (INTB too): an affine payload whose
+#: codes are loaded row by row (`load_heavy_tile`).
+HEAVY_BASES = ("int4", "int2", "hint4", "hint2")
+
+
+def heavy_layout(fmt: str) -> HeavyLayout | None:
+    """The `HeavyLayout` of a heavy-row format (FORMAT.md 5a), None for other formats."""
+    try:
+        layout = registry.layout(fmt)
+    except ValueError:  # not a registered format
+        return None
+    return layout if isinstance(layout, HeavyLayout) else None
+
+
+def rotated_format(fmt: str) -> bool:
+    """True for a Hadamard-rotated format (HINT4 / HINT2) or heavy rows over one."""
+    heavy = heavy_layout(fmt)
+    return (heavy.base.name if heavy is not None else fmt) in ROTATED
+
+
 def is_intb(fmt: str) -> bool:
     """True for an INTB format (one bit table or one per layer; FORMAT.md 2b)."""
     try:
@@ -127,7 +166,12 @@ def fields(fmt: str) -> tuple[str, ...] | None:
     kernel decoder)."""
     if fmt in FIELDS:
         return FIELDS[fmt]
-    return INTB_FIELDS if is_intb(fmt) else None
+    if is_intb(fmt):
+        return INTB_FIELDS
+    heavy = heavy_layout(fmt)
+    if heavy is not None and (heavy.base.name in HEAVY_BASES or is_intb(heavy.base.name)):
+        return fields(heavy.base.name) + HEAVY_FIELDS
+    return None
 
 
 @functools.cache
@@ -143,30 +187,56 @@ def intb_maps(fmt: str) -> tuple[np.ndarray, np.ndarray]:
 def kernel_arrays(packed, prepare) -> list:
     """A packed plane's kernel arrays in `fields` order: each PackedKV field through
     `prepare` (a kernel's dtype view), an INTB plane's code maps appended (`intb_maps`)."""
+    heavy = heavy_layout(packed.format)
+    base = packed.format if heavy is None else heavy.base.name
     out = []
     for name in fields(packed.format):
         if name in ("starts", "bits"):
-            out.append(jnp.asarray(intb_maps(packed.format)[name == "bits"]))
+            out.append(jnp.asarray(intb_maps(base)[name == "bits"]))
         else:
             out.append(prepare(getattr(packed, name)))
     return out
 
 
-def gather_bytes(ref, lead: tuple, page, head, index, rows: int):
-    """uint32 [rows, n]: byte index[j] of every row of (page, head) of a codes ref [*lead, P,
-    rows, H, W] (a gather load: no tile of bytes is materialized); a uint16 view of the bytes
-    (`paged_attention.pallas_triton._widen`) is read as pairs."""
-    r = lax.broadcasted_iota(jnp.int32, (rows, index.shape[0]), 0)
+def unwiden(x):
+    """uint16 [..., n] tile -> the uint8 [..., 2n] tile it holds (byte 2j low, 2j + 1 high:
+    the kernels take uint8 arrays of 2**31 bytes or more as uint16 pairs)."""
+    lo, hi = (x & 0xFF).astype(jnp.uint8), (x >> 8).astype(jnp.uint8)
+    return jnp.stack([lo, hi], axis=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])
+
+
+def _row_grid(rows, n: int):
+    """int32 [R, n]: the row of each element: rows an int R (rows 0..R-1) or row ids [R]."""
+    if isinstance(rows, int):
+        return lax.broadcasted_iota(jnp.int32, (rows, n), 0)
+    return jnp.broadcast_to(rows[:, None], (rows.shape[0], n))
+
+
+def gather_bytes(ref, lead: tuple, page, head, index, rows):
+    """uint32 [R, n]: byte index[j] of rows `rows` (an int R: rows 0..R-1; or int32 row ids
+    [R]) of (page, head) of a codes ref [*lead, P, rows, H, W] (a gather load: no tile of
+    bytes is materialized); a uint16 view of the bytes (`unwiden`) is read as pairs."""
+    r = _row_grid(rows, index.shape[0])
     if ref.dtype == jnp.uint16:
         word = ref[(*lead, page, r, head, (index >> 1)[None, :])].astype(jnp.uint32)
         return (word >> ((index & 1) * 8).astype(jnp.uint32)[None, :]) & 0xFF
     return ref[(*lead, page, r, head, index[None, :])].astype(jnp.uint32)
 
 
-def intb_codes(codes_ref, lead: tuple, page, head, start, bits, rows: int):
-    """uint32 codes [rows, D] of an INTB tile: channel c's bits[c] stream bits from bit
-    start[c] (int32 [D] each, the layer's row of `intb_maps`), read from the two bytes they
-    lie in (`kvq_jax.codecs.formats.intb.unpack_stream`'s arithmetic)."""
+def gather_rows(ref, lead: tuple, page, head, rows):
+    """uint8 [R, W]: rows `rows` (int32 [R]) of (page, head) of a codes ref [*lead, P, rows,
+    H, W] (or its uint16 view, `unwiden`), one gather load."""
+    width = ref.shape[-1]
+    c = lax.broadcasted_iota(jnp.int32, (rows.shape[0], width), 1)
+    tile = ref[(*lead, page, _row_grid(rows, width), head, c)]
+    return unwiden(tile) if ref.dtype == jnp.uint16 else tile
+
+
+def intb_codes(codes_ref, lead: tuple, page, head, start, bits, rows):
+    """uint32 codes [R, D] of an INTB tile (`rows`: an int R, rows 0..R-1, or row ids [R]):
+    channel c's bits[c] stream bits from bit start[c] (int32 [D] each, the layer's row of
+    `intb_maps`), read from the two bytes they lie in
+    (`kvq_jax.codecs.formats.intb.unpack_stream`'s arithmetic)."""
     width = codes_ref.shape[-1] * (2 if codes_ref.dtype == jnp.uint16 else 1)
     lo = start // 8
     b0 = gather_bytes(codes_ref, lead, page, head, lo, rows)
@@ -201,6 +271,84 @@ def load_intb_tile(refs, lead: tuple, page, head, layer, load) -> dict:
         "minimum": load(min_ref),
         "scale": load(scale_ref),
     }
+
+
+def heavy_row_index(rows, group: int):
+    """(is_heavy bool [ps, 1], payload row int32 [ps]) of a heavy-row tile from its heavy
+    rows uint8 [n] (ps = n * group): output row g*G + i is group g's heavy row when i ==
+    rows[g], else payload row g*(G-1) + i - (i > rows[g]) (clamped into the payload: the
+    heavy row's own entry is never used)."""
+    n = rows.shape[0]
+    ps = n * group
+    r = jnp.broadcast_to(rows.astype(jnp.int32)[:, None], (n, group)).reshape(ps)
+    t = lax.broadcasted_iota(jnp.int32, (ps,), 0)
+    i = t % group
+    payload = (t // group) * (group - 1) + i - (i > r).astype(jnp.int32)
+    payload = jnp.clip(payload, 0, n * (group - 1) - 1)
+    return (i == r)[:, None], payload
+
+
+def heavy_support(heavy: HeavyLayout, axis: str, group_size: int, head_dim: int) -> str | None:
+    """None when the kernels decode heavy-row format `heavy` with payload `axis` and
+    `group_size` at `head_dim`, else why not (Triton tile shapes: every block a power of
+    two)."""
+    g = heavy.heavy_group
+    if g & (g - 1):
+        return f"heavy group {g} is not a power of two"
+    if axis == "tokens" and group_size not in (g - 1, 1):
+        return f"payload token groups of {group_size} rows (the kernels take {g - 1} or 1)"
+    if axis == "channels" and (group_size & (group_size - 1) or head_dim % group_size):
+        return f"payload channel groups of {group_size}: not a power of two dividing {head_dim}"
+    return None
+
+
+def load_heavy_tile(fmt: str, refs, lead: tuple, page, head, layer, load) -> dict:
+    """The `decode_tile` arrays of one (page, head) tile of heavy-row format `fmt`: the
+    payload's codes gathered row by row into the page's rows (`heavy_row_index`; uint32
+    codes [ps, D]); its metadata as `load(ref)` loads a metadata tile where it holds one
+    token group per heavy group ([n, D]), else (one entry per payload row: channel groups,
+    or token groups of one row) gathered the same way ([ps, D / G_b]); the heavy fields as
+    `load` loads them. refs: `fields(fmt)` order."""
+    base = heavy_layout(fmt).base.name
+    n_base = len(fields(base))
+    out = {f: load(r) for f, r in zip(HEAVY_FIELDS, refs[n_base:], strict=True)}
+    group = heavy_layout(fmt).heavy_group
+    _, payload = heavy_row_index(out["heavy_rows"], group)
+    if is_intb(base):
+        codes_ref, min_ref, scale_ref, starts_ref, bits_ref = refs[:n_base]
+        row = intb_row(layer, starts_ref.shape[0])
+        start, bits = starts_ref[row, head, :], bits_ref[row, head, :]
+        codes = intb_codes(codes_ref, lead, page, head, start, bits, payload)
+    else:
+        codes_ref, min_ref, scale_ref = refs[:n_base]
+        unpack = unpack_nibbles_tile if ROTATED.get(base, base) == "int4" else unpack_crumbs_tile
+        codes = unpack(gather_rows(codes_ref, lead, page, head, payload))
+    if min_ref.shape[-3] == codes_ref.shape[-3]:  # an entry per payload row
+        meta = {f: gather_rows(r, lead, page, head, payload)
+                for f, r in (("minimum", min_ref), ("scale", scale_ref))}  # fmt: skip
+    else:
+        meta = {"minimum": load(min_ref), "scale": load(scale_ref)}
+    return {**out, "codes": codes, **meta}
+
+
+def heavy_parts(group: int, axis: str, group_size: int, arrays: dict, *, interpret: bool):
+    """(payload float32 [ps, D], heavy float32 [ps, D], is_heavy bool [ps, 1]) of a heavy-row
+    tile (`load_heavy_tile`'s arrays; heavy group `group`, the payload's axis and group size):
+    every row's payload decode (INT4's arithmetic with its payload row's metadata; rotated
+    rows for a HINT base), every row's group's INT8 heavy row, and which rows are the heavy
+    ones. Merged: `where(is_heavy, heavy, payload)`."""
+    is_heavy, _ = heavy_row_index(arrays["heavy_rows"], group)
+    ps = is_heavy.shape[0]
+    if arrays["minimum"].shape[0] != ps:  # one token group per heavy group
+        axis, group_size = "tokens", group
+    payload = affine_tile(arrays["codes"], arrays["minimum"], arrays["scale"], axis=axis,
+                          group_size=group_size, interpret=interpret)  # fmt: skip
+    codes = arrays["heavy_codes"]
+    d = codes.shape[-1]
+    heavy = affine_tile(codes.astype(jnp.uint32), arrays["heavy_minimum"][:, None],
+                        arrays["heavy_scale"][:, None], axis="channels", group_size=d,
+                        interpret=interpret)  # fmt: skip
+    return payload, expand_groups(heavy, "tokens", group), is_heavy
 
 
 def load_tile(fmt: str, refs, lead: tuple, page, head) -> dict:
@@ -326,6 +474,13 @@ def decode_tile(fmt: str, axis: str, group_size: int, arrays: dict, *, interpret
     (int4 / int2: codes, minimum, scale; nvfp4: codes, block_scale, global_scale; fp8_e4m3:
     codes, scale), shaped as in the module doc. Returns float32 [page_size, D] (HINT4 / HINT2:
     the rows still rotated, `unpack_rotated`)."""
+    heavy = heavy_layout(fmt)
+    if heavy is not None:  # over a rotated base the parts live in two spaces: heavy_parts
+        if heavy.base.name in ROTATED:
+            raise ValueError(f"{fmt}: heavy rows over a rotated base decode with heavy_parts")
+        payload, rows, is_heavy = heavy_parts(heavy.heavy_group, axis, group_size, arrays,
+                                              interpret=interpret)  # fmt: skip
+        return jnp.where(is_heavy, rows, payload)
     fmt = ROTATED.get(fmt, fmt)
     if is_intb(fmt):  # codes already unpacked (`load_intb_tile`), INT4's arithmetic
         return affine_tile(arrays["codes"], arrays["minimum"], arrays["scale"], axis=axis,
@@ -398,16 +553,27 @@ def reconstruct_tile(steps, load, dtype, *, rotated: bool = False, interpret: bo
     `decode_pages`: the first step decoded alone, each later delta added in the cache dtype
     (`add_in_dtype_tile`). steps: from `chain_steps`; load(fmt, plane, lead) -> the tile's
     `decode_tile` arrays, lead () for a base plane or (level,) for a plane with a loop
-    axis. rotated (every step a rotated format): float32 rows still in the rotated space, the
-    steps summed in float32 (`decode_pages(rotated=True)`)."""
-    recon = None
+    axis. rotated (every step a rotated format): (float32 rows still in the rotated space,
+    the steps summed in float32, as `decode_pages(rotated=True)`; float32 [ps, D] heavy rows
+    in the plain space, zero elsewhere, or None): a first step with heavy rows leaves them
+    out of the rotated rows (their INT8 decode is plain; attention adds them to its output
+    after un-rotating the rest, which is the same up to rounding, FORMAT.md 2c)."""
+    recon, plain = None, None
     for fmt, axis, group_size, plane, level in steps:
         lead = () if level is None else (level,)
-        values = decode_tile(fmt, axis, group_size, load(fmt, plane, lead), interpret=interpret)
+        arrays = load(fmt, plane, lead)
+        heavy = heavy_layout(fmt)
+        if rotated and heavy is not None:  # the first step (heavy formats have no deltas)
+            values, rows, is_heavy = heavy_parts(heavy.heavy_group, axis, group_size, arrays,
+                                                 interpret=interpret)  # fmt: skip
+            values = jnp.where(is_heavy, jnp.float32(0.0), values)
+            plain = jnp.where(is_heavy, rows, jnp.float32(0.0))
+        else:
+            values = decode_tile(fmt, axis, group_size, arrays, interpret=interpret)
         if rotated:
             recon = values if recon is None else _exact.add(recon, values, interpret=interpret)
         elif recon is None:
             recon = values.astype(dtype)
         else:
             recon = add_in_dtype_tile(recon, values, dtype, interpret=interpret)
-    return recon
+    return (recon, plain) if rotated else recon

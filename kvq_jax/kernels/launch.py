@@ -21,7 +21,12 @@ sm_90a and sm_120a (ptxas 13.5; `kvq_jax.kernel_checks.cuda_compile`, docs/kerne
                    (scores with FMA dots at HIGHEST precision): 1 stage and 8 warps at
                    head_dim <= 64, 16 at 128 and more (4 warps reached 255 registers and
                    spilled; 2 stages sent ptxas into 32-register allocations, ~20 KB of
-                   spills). The split count does not change registers.
+                   spills). The split count does not change registers. With a second value
+                   accumulator (heavy rows over HINT values) or keys turned by RoPE in the
+                   kernel, broadcast scores take 8 warps from 2048 tile elements and 16 above
+                   4096: at 4 warps [32, 64] tiles spilled 64 bytes on sm_90a and [64, 64]
+                   ones 428-520 bytes; at 8 warps [64, 128] tiles reached 255 registers on
+                   sm_80 (0 spills; 16 warps: 128 registers on every target).
 """
 
 from __future__ import annotations
@@ -79,13 +84,18 @@ def page_reconstruct(page_size: int, head_dim: int) -> Launch:
     return Launch(num_warps=max(RECONSTRUCT_MIN_WARPS, min(warps, 32)), num_stages=1)
 
 
-def paged_attention(group: int, head_dim: int, page_size: int) -> Launch:
+def paged_attention(group: int, head_dim: int, page_size: int, *,
+                    more_tiles: bool = False) -> Launch:  # fmt: skip
     """The attention kernel's launch for `group` query heads per KV head of `head_dim` and
     pages of `page_size` tokens. Broadcast scores (G < DOT_MIN_GROUP) on tiles of more than
     ATTENTION_WIDE_TILE elements take 8 warps: at 4 warps a [64, 128] tile reached 255
-    registers and spilled 4 bytes on sm_80 (HINT4 values, 4 loops)."""
+    registers and spilled 4 bytes on sm_80 (HINT4 values, 4 loops). more_tiles: the kernel
+    keeps a second value accumulator or RoPE's key halves (see the module doc)."""
     if group >= DOT_MIN_GROUP:
         return Launch(num_warps=8 if head_dim <= 64 else 16, num_stages=1)
-    if page_size * head_dim > ATTENTION_WIDE_TILE:
+    tile = page_size * head_dim
+    if more_tiles and tile >= ATTENTION_WIDE_TILE // 2:
+        return Launch(num_warps=16 if tile > ATTENTION_WIDE_TILE else 8, num_stages=2)
+    if tile > ATTENTION_WIDE_TILE:
         return Launch(num_warps=8, num_stages=2)
     return Launch(num_warps=4, num_stages=2)

@@ -48,6 +48,25 @@ def test_rules():
     assert launch.paged_attention(1, 128, 64) == Launch(8, 2)  # wide tiles
     assert launch.paged_attention(8, 64, 64) == Launch(8, 1)  # dot path
     assert launch.paged_attention(16, 128, 16) == Launch(16, 1)
+    # a second value accumulator or RoPE's key halves (more_tiles)
+    assert launch.paged_attention(3, 64, 16, more_tiles=True) == Launch(4, 2)
+    assert launch.paged_attention(3, 64, 32, more_tiles=True) == Launch(8, 2)
+    assert launch.paged_attention(1, 128, 64, more_tiles=True) == Launch(16, 2)
+    assert launch.paged_attention(8, 128, 16, more_tiles=True) == Launch(16, 1)  # dot path
+
+
+def test_attention_launch_follows_the_cache():
+    """The kernel's default launch takes more warps for heavy rows over HINT values and for
+    keys stored before RoPE (`pallas_triton.more_tiles`), not for heavy INT4 / INT2 pages."""
+    from kvq_jax.kernel_checks.arg_specs import paged_attention as specs
+    from kvq_jax.kernels.paged_attention import pallas_triton
+
+    by_name = {s.name: s for s in specs.SUPPORTED_SPECS}
+    for name, more in (("heavy-intb-hint4-rope-gqa3-p32-d64-sink3", True),
+                       ("heavy-int4-int2-p64-d64", False), ("int4-g1-p16-d64", False),
+                       ("rope-int4-gqa8-p16-d128-loop1-sink2-bf16", True)):  # fmt: skip
+        spec = by_name[name]
+        assert pallas_triton.more_tiles(spec.config(), spec.loop) is more, name
 
 
 def test_auto_launch_and_override_reach_the_kernel():

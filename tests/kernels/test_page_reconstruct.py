@@ -278,6 +278,33 @@ def test_intb_comparison_catches_a_kernel_reading_layer_0(monkeypatch):
         jax.clear_caches()
 
 
+def _unshifted(rows, group):
+    """A planted heavy-row index: payload row g*(G-1) + i for every i (no shift past the
+    heavy row), the heavy row still put in."""
+    is_heavy, _ = _real_heavy_row_index(rows, group)
+    t = jnp.arange(is_heavy.shape[0])
+    payload = (t // group) * (group - 1) + jnp.minimum(t % group, group - 2)
+    return is_heavy, payload
+
+
+_real_heavy_row_index = _tile_decode.heavy_row_index
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+@pytest.mark.parametrize("kind", arg_specs.KINDS)
+def test_heavy_comparison_catches_unshifted_payload_rows(monkeypatch, kind):
+    """The interpret-mode comparison fails when the kernel reads payload row g*(G-1) + i for
+    output row g*G + i past the heavy row (the heavy row's own index is never read)."""
+    monkeypatch.setattr(_tile_decode, "heavy_row_index", _unshifted)
+    spec = arg_specs.HEAVY_SPECS[0]
+    jax.clear_caches()
+    try:
+        got = decode_pages(filled(spec), kind, PAGES, loop=0, backend="pallas_interpret")
+        assert_same_values(got, reference(spec, kind, 0), "planted defect")
+    finally:
+        jax.clear_caches()
+
+
 class TestPallasInterpret(ReconstructBase):
     backend = "pallas_interpret"
 

@@ -277,6 +277,48 @@ def test_per_loop_comparison_catches_a_kernel_ignoring_absolute_loops(monkeypatc
         jax.clear_caches()
 
 
+#: The best policy's shape: heavy rows over INTB keys and HINT4 values, keys before RoPE.
+HEAVY_ROPE_SPEC = next(s for s in arg_specs.SPECS if s.name.startswith("heavy-intb-hint4-rope"))
+
+
+def _run_planted(spec):
+    jax.clear_caches()
+    try:
+        out, ref = TestPallasInterpret().run(spec)
+        assert_close(out, ref, "planted defect")
+    finally:
+        jax.clear_caches()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_rope_comparison_catches_keys_left_before_rope(monkeypatch):
+    """The comparison fails when the kernel attends keys stored before RoPE as stored."""
+    from kvq_jax.codecs import cache_state
+
+    def no_turn(config, positions):
+        cos, sin = cache_state.rope_at(positions, config.head_dim, config.rope_theta)
+        return jnp.ones_like(cos), jnp.zeros_like(sin)
+
+    monkeypatch.setattr(pallas_triton.cache_state, "key_rope", no_turn)
+    _run_planted(HEAVY_ROPE_SPEC)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_heavy_comparison_catches_the_plain_heavy_share_dropped(monkeypatch):
+    """The comparison fails when the kernel's second accumulator (the heavy value rows,
+    plain) is left out of the output."""
+    real = pallas_triton.combine
+    calls = []
+
+    def combine(acc, m, l_sum):
+        calls.append(None)
+        out = real(acc, m, l_sum)
+        return jnp.zeros_like(out) if len(calls) == 2 else out
+
+    monkeypatch.setattr(pallas_triton, "combine", combine)
+    _run_planted(HEAVY_ROPE_SPEC)
+
+
 def test_rotated_values_of_a_bfloat16_cache():
     """A bfloat16 HINT cache: the kernel attends in the rotated space as the XLA path does
     (equal to float32 round-off); the reference rounds each un-rotated row to bfloat16

@@ -5,6 +5,7 @@ the references in test_paged_attention.py / test_page_reconstruct.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 
 from kvq_jax.engine import Engine, QuantizedStore
 from kvq_jax.kernels import page_reconstruct
+from kvq_jax.kernels._tile_decode import rotated_format
 from kvq_jax.kernels.paged_attention import config_support
 from kvq_jax.models import load_model
 from kvq_jax.models.loading import MissingPackages
@@ -22,15 +24,12 @@ KERNEL_SERVED = [
     ("smollm2", "int4-g64", 1),
     ("smollm2", "int4-hint4", 1),
     ("smollm2", "intb-hint4-smollm2", 1),
+    ("smollm2", "intb-hint4-heavy-smollm2", 1),
+    ("smollm2", "intb-prerope-hint4-heavy-smollm2", 1),
     ("random:ouro-tiny", "flashloop-legacy", 4),
     ("random:ouro-tiny", "flashloop-kivi", 4),
     ("random:ouro-tiny", "loops-abs-v2442", 4),
     ("random:ouro-tiny", "loops-abs-v2442-h", 4),
-]
-#: (model, policy, loops, what the attention kernel's reason names): the XLA path.
-XLA_SERVED = [
-    ("smollm2", "intb-hint4-heavy-smollm2", 1, "has no kernel decoder"),
-    ("smollm2", "intb-prerope-hint4-heavy-smollm2", 1, "rope_theta"),
 ]
 
 
@@ -39,11 +38,14 @@ def _model(name):
     return load_model(name, dtype=jnp.float32)
 
 
-def _caches(model_name, policy, loops):
+def _caches(model_name, policy, loops, threshold=None):
     try:
         model = _model(model_name)
     except MissingPackages as e:  # the jax 0.12 CI stage installs no model packages
         pytest.skip(str(e))
+    if threshold is not None:
+        config = dataclasses.replace(model.config, early_exit_threshold=threshold)
+        model = dataclasses.replace(model, config=config)
     engine = Engine(model, policy, num_pages=8, page_size=64, max_seqs=2, max_pages_per_seq=4,
                     loops=loops, prefill_batch=1)  # fmt: skip
     caches = [s.cache for s in engine.stores if isinstance(s, QuantizedStore)]
@@ -56,18 +58,23 @@ def _caches(model_name, policy, loops):
 
 @pytest.mark.parametrize("model_name, policy, loops", KERNEL_SERVED)
 def test_policy_attends_through_the_kernels(model_name, policy, loops):
+    """Decode attention's kernel takes every loop; page reconstruction's every plane but the
+    Hadamard-rotated ones (HINT, heavy rows over HINT: un-rotated row by row in XLA)."""
     caches, q, tables = _caches(model_name, policy, loops)
     for cache in caches:
         for loop in range(loops):
             assert config_support(q, cache, tables, loop=loop) is None, (policy, loop)
         for kind in ("key", "value"):
             reason = page_reconstruct.config_support(cache.config, kind)
-            rotated = any(f.startswith("hint") for f in cache.config.loop_formats(kind))
+            rotated = any(rotated_format(f) for f in cache.config.loop_formats(kind))
             assert (reason is None) != rotated, (policy, kind, reason)
 
 
-@pytest.mark.parametrize("model_name, policy, loops, reason", XLA_SERVED)
-def test_policy_left_to_the_xla_path_says_why(model_name, policy, loops, reason):
-    caches, q, tables = _caches(model_name, policy, loops)
+def test_adaptive_exits_are_left_to_the_xla_path():
+    """An Ouro engine whose tokens exit early (threshold < 1) stores a depth map: both
+    kernels decline it, naming it."""
+    caches, q, tables = _caches("random:ouro-tiny", "int4-g64", 4, threshold=0.5)
     for cache in caches:
-        assert reason in config_support(q, cache, tables, loop=0)
+        assert cache.config.adaptive_exit
+        assert "adaptive_exit" in config_support(q, cache, tables, loop=0)
+        assert "adaptive-exit" in page_reconstruct.config_support(cache.config, "key")

@@ -46,15 +46,49 @@ def intb_layers_format(heads: int, head_dim: int, layers: int = 3) -> str:
     return _remember(IntBLayersCodec(tables))
 
 
+def heavy_format(base: str, heavy_group: int, heads: int | None = None,
+                 head_dim: int | None = None, *, query_heads: int = 3,
+                 layers: int | None = None) -> str:  # fmt: skip
+    """The name of a heavy-row format (FORMAT.md 5a) over format `base` (registered, or a
+    synthetic one of this module) with heavy groups of `heavy_group` tokens; with `heads` and
+    `head_dim`, keys' format holding a seeded random bfloat16 mean-query table [heads,
+    query_heads, head_dim] (one per layer [layers, ...] with `layers`), else the values'
+    (rows handed over from the keys)."""
+    import ml_dtypes
+
+    from kvq_jax.codecs.formats.heavy_rows import HeavyCodec
+    from kvq_jax.codecs.registry import get_codec
+
+    tables = None
+    if heads is not None:
+        shape = (
+            (heads, query_heads, head_dim)
+            if layers is None
+            else (layers, heads, query_heads, head_dim)
+        )
+        rng = np.random.default_rng(heavy_group + head_dim)
+        tables = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    return _remember(HeavyCodec(_CODECS.get(base) or get_codec(base), heavy_group, tables))
+
+
+def synthetic_codec(name: str):
+    """The codec of a synthetic format of this module (registered or not), else None."""
+    return _CODECS.get(name)
+
+
 def ensure_registered(*formats) -> None:
     """Register each synthetic format among `formats` (names or tuples of names) that the
-    JAX registry lacks; other names pass through untouched."""
+    JAX registry lacks, a heavy-row format's synthetic base first; other names pass through
+    untouched."""
     from kvq_jax.codecs.registry import CODECS, register_codec
 
     for fmt in formats:
         for name in (fmt,) if isinstance(fmt, str) else fmt:
-            if name in _CODECS and name not in CODECS:
-                register_codec(_CODECS[name])
+            codec = _CODECS.get(name)
+            base = getattr(codec, "base_codec", None)
+            for c in (base, codec):
+                if c is not None and c.name in _CODECS and c.name not in CODECS:
+                    register_codec(c)
 
 
 def unregister_synthetic() -> None:

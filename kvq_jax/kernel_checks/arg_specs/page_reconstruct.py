@@ -31,8 +31,10 @@ from kvq_jax.codecs.registry import get_codec
 from kvq_jax.kernel_checks.arg_specs.formats import (
     V2442,
     ensure_registered,
+    heavy_format,
     intb_format,
     intb_layers_format,
+    synthetic_codec,
 )
 
 FORMATS = ("int4", "nvfp4", "fp8_e4m3")
@@ -130,6 +132,9 @@ class ReconstructSpec:
 def _short(fmt: str | tuple[str, ...]) -> str:
     if isinstance(fmt, tuple):
         return "/".join(map(_short, fmt))
+    codec = synthetic_codec(fmt)
+    if hasattr(codec, "heavy_group"):  # "heavy<G>-<base>[-<digest>]"
+        return f"h{codec.heavy_group}{_short(codec.base_codec.name)}"
     if fmt.startswith("intb"):  # "intb-<digest>" / "intb-layers-<digest>"
         return "ib" + fmt.rsplit("-", 1)[-1][:4]
     return {"int4": "i4", "int2": "i2", "nvfp4": "nv", "fp8_e4m3": "f8"}[fmt]
@@ -167,6 +172,13 @@ SUPPORTED_SPECS = tuple(
         k_base_format=intb_layers_format(4, 128), k_residual_format="int2",
         v_base_format=intb_format(4, 128), v_residual_format="int4", page_size=64, num_heads=4,
         head_dim=128, num_loops=4, loop=3, layer=1,
+    ),
+    # heavy rows (FORMAT.md 5a): INTB keys with per-layer tables, INT4 values on channel groups
+    ReconstructSpec(
+        k_base_format=heavy_format(intb_layers_format(4, 128), 64, 4, 128, layers=3),
+        k_residual_format="int4", v_base_format=heavy_format("int4", 64),
+        v_residual_format="int4", v_group_size=32, page_size=64, num_heads=4, head_dim=128,
+        num_loops=1, loop=0, layer=1,
     ),
 )  # fmt: skip
 
@@ -258,6 +270,20 @@ PER_LOOP_SPECS = (
     ),
 )
 TEST_SPECS += PER_LOOP_SPECS
+
+#: Heavy-row pages (FORMAT.md 5a): keys choosing their rows (INT4 on token groups of G - 1;
+#: INTB), values taking them (INT2 on channel groups of 16, INT4 of 64), two
+#: heavy groups per page, a later loop stored absolute in its own heavy format.
+HEAVY_SPECS = (
+    ReconstructSpec(
+        k_base_format=heavy_format("int4", 16, 2, 64),
+        k_residual_format=heavy_format(intb_format(2, 64), 16, 2, 64),
+        v_base_format=heavy_format("int2", 16), v_residual_format=heavy_format("int4", 16),
+        v_group_size=16, page_size=32, num_heads=2, head_dim=64, num_loops=2, loop=1,
+        dtype="bfloat16", k_absolute=(1,), v_absolute=(1,),
+    ),
+)  # fmt: skip
+TEST_SPECS += HEAVY_SPECS
 
 #: INTB planes: keys with one table per model layer (read as layer 2) and INT2 deltas, values
 #: with one table, FP8 deltas.

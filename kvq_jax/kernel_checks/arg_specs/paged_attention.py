@@ -23,7 +23,13 @@ from jax import lax
 
 from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache
 from kvq_jax.codecs.cache_state import at_layer, codec_view
-from kvq_jax.kernel_checks.arg_specs.formats import V2442, ensure_registered, intb_layers_format
+from kvq_jax.kernel_checks.arg_specs.formats import (
+    V2442,
+    ensure_registered,
+    heavy_format,
+    intb_format,
+    intb_layers_format,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,6 +62,7 @@ class PagedAttentionSpec:
     k_absolute: tuple[int, ...] = ()  # later loops stored absolute
     v_absolute: tuple[int, ...] = ()
     layer: int | None = None  # the model layer a format with per-layer tables is read as
+    rope_theta: float | None = None  # keys stored before RoPE (FORMAT.md 5b)
 
     @property
     def group(self) -> int:
@@ -107,6 +114,7 @@ class PagedAttentionSpec:
             max_seqs=self.batch,
             k_absolute=self.k_absolute,
             v_absolute=self.v_absolute,
+            rope_theta=self.rope_theta,
         )
 
 
@@ -160,6 +168,23 @@ SPECS: tuple[PagedAttentionSpec, ...] = (
     # loops-abs-v2442's schedule, GQA 2, attending loop 3 (chain: V loop 2 + a delta).
     _spec("abs-v2442-gqa2-p16-d64-loop3-bf16", 2, 4, 2, 64, 16, 50, num_loops=4, loop=3,
           dtype="bfloat16", **V2442),
+    # The best policy's shape (intb-prerope-hint4-heavy): heavy rows over INTB keys (rows
+    # chosen with a mean-query table) and HINT4 values (their heavy rows attended plain, in
+    # the second accumulator), two heavy groups per page, keys stored before RoPE (RoPE back
+    # in the kernel), sink rows, GQA 3; float32 (rotated values, as the hint4 spec above).
+    _spec("heavy-intb-hint4-rope-gqa3-p32-d64-sink3", 2, 6, 2, 64, 32, 90, sink=3,
+          k_base_format=heavy_format(intb_format(2, 64), 16, 2, 64),
+          k_residual_format=heavy_format(intb_format(2, 64), 16, 2, 64),
+          v_base_format=heavy_format("hint4", 16), v_residual_format=heavy_format("hint4", 16),
+          dtype="float32", rope_theta=10000.0),
+    # Keys before RoPE over an INT4 chain (loop 1 a delta), GQA 8 (the dot path on the
+    # halves), D 128, bf16, sink 2; heavy INT4 / INT2 pages on 64-token groups, float32.
+    _spec("rope-int4-gqa8-p16-d128-loop1-sink2-bf16", 2, 8, 1, 128, 16, 60, num_loops=2,
+          loop=1, dtype="bfloat16", rope_theta=10000.0, sink=2),
+    _spec("heavy-int4-int2-p64-d64", 2, 2, 2, 64, 64, 150,
+          k_base_format=heavy_format("int4", 64, 2, 64),
+          k_residual_format=heavy_format("int4", 64, 2, 64),
+          v_base_format=heavy_format("int2", 64), v_residual_format=heavy_format("int2", 64)),
 )
 # fmt: on
 
@@ -199,6 +224,18 @@ LOWERING_SPECS: tuple[PagedAttentionSpec, ...] = (
           dtype="bfloat16", ragged=False, **V2442),
     _spec("ouro-abs-v2442-b8-ctx4096-p16-loop1", 8, 16, 16, 128, 16, 4096, num_loops=4, loop=1,
           dtype="bfloat16", ragged=False, **V2442),
+    # intb-prerope-hint4-heavy-smollm2's shapes (SmolLM2: 3 KV heads of 64, GQA 3, 64-token
+    # pages, heavy64, per-layer tables of 30 layers), and Ouro-1.4B's head shapes.
+    _spec("smollm2-heavy-intb-hint4-rope-b8-ctx4096-p64-l7", 8, 9, 3, 64, 64, 4096,
+          dtype="float32", ragged=False, layer=7, rope_theta=100000.0,
+          k_base_format=heavy_format(intb_layers_format(3, 64, 30), 64, 3, 64, layers=30),
+          k_residual_format=heavy_format(intb_layers_format(3, 64, 30), 64, 3, 64, layers=30),
+          v_base_format=heavy_format("hint4", 64), v_residual_format=heavy_format("hint4", 64)),
+    _spec("ouro-heavy-intb-hint4-rope-b8-ctx4096-p64", 8, 16, 16, 128, 64, 4096,
+          dtype="bfloat16", ragged=False, rope_theta=1000000.0,
+          k_base_format=heavy_format(intb_format(16, 128), 64, 16, 128, query_heads=1),
+          k_residual_format=heavy_format(intb_format(16, 128), 64, 16, 128, query_heads=1),
+          v_base_format=heavy_format("hint4", 64), v_residual_format=heavy_format("hint4", 64)),
 )
 # fmt: on
 

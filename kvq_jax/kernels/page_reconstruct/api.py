@@ -19,7 +19,13 @@ from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.layouts import check_kind
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import ROTATED, chain_steps, fields
+from kvq_jax.kernels._tile_decode import (
+    chain_steps,
+    fields,
+    heavy_layout,
+    heavy_support,
+    rotated_format,
+)
 from kvq_jax.kernels.backend import resolve_backend
 from kvq_jax.kernels.page_reconstruct import pallas_triton, xla
 
@@ -38,8 +44,9 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
     page_size * head_dim <= 2**15), any H, L, dtype; INT4, INT2, NVFP4 and FP8 E4M3 in any
     loop (per-loop formats and loops stored absolute included); INT4 / INT2 group sizes that
     are powers of two dividing page_size (axis "tokens") or head_dim (axis "channels").
-    INTB (one table or one per layer) with token groups as INT4's. Declined: HINT4 / HINT2
-    (rows un-rotated on the XLA path), adaptive exits, heavy rows.
+    INTB (one table or one per layer) with token groups as INT4's. Heavy rows (FORMAT.md 5a)
+    over INT4 / INT2 / INTB (`_tile_decode.heavy_support`). Declined: HINT4 / HINT2, heavy
+    rows over them too (rows un-rotated on the XLA path), adaptive exits.
     """
     if not isinstance(config, PagedCacheConfig):
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
@@ -58,11 +65,17 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
         fmt, axis, group = args["format"], args["axis"], args["group_size"]
         if fields(fmt) is None:
             return f"{kind} loop {loop} format {fmt!r} has no kernel decoder"
-        if fmt in ROTATED:
+        if rotated_format(fmt):
             return (
                 f"{kind} loop {loop} format {fmt!r}: rows are un-rotated one by one on the XLA "
                 "path (decode attention's kernel reads them in the rotated space)"
             )
+        heavy = heavy_layout(fmt)
+        if heavy is not None:
+            why = heavy_support(heavy, axis, group, d)
+            if why:
+                return f"{kind} loop {loop} format {fmt!r}: {why}"
+            continue
         if fmt == "int2" and d < 4:
             return f"head_dim {d}: INT2 tiles need head_dim >= 4 (four codes per byte)"
         if fmt == "fp8_e4m3":

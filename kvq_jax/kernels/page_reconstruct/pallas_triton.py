@@ -46,11 +46,21 @@ def _kernel(ids_ref, layer_ref, *refs, steps, fields, dtype, interpret):
     i, h = pl.program_id(0), pl.program_id(1)
     page = ids_ref[i]
 
+    def meta(ref, lead):
+        """A metadata tile of (page, h): [rows, cols], or [rows] of a [*lead, P, rows, H]
+        array (heavy rows' fields)."""
+        if len(ref.shape) - len(lead) == 3:
+            return ref[(*lead, page, slice(None), h)]
+        return ref[(*lead, page, slice(None), h, slice(None))]
+
     def load(fmt, plane, lead):
         refs_ = plane_refs[plane]
+        load_meta = functools.partial(meta, lead=lead)
+        if _tile_decode.heavy_layout(fmt) is not None:
+            return _tile_decode.load_heavy_tile(fmt, refs_, lead, page, h, layer_ref[0],
+                                                load_meta)  # fmt: skip
         if _tile_decode.is_intb(fmt):
-            meta = lambda r: r[(*lead, page, slice(None), h, slice(None))]  # noqa: E731
-            return _tile_decode.load_intb_tile(refs_, lead, page, h, layer_ref[0], meta)
+            return _tile_decode.load_intb_tile(refs_, lead, page, h, layer_ref[0], load_meta)
         return _tile_decode.load_tile(fmt, refs_, lead, page, h)
 
     out_ref[...] = _tile_decode.reconstruct_tile(steps, load, dtype, interpret=interpret)

@@ -28,7 +28,7 @@ from kvq_jax.codecs.cache_state import check_cache
 from kvq_jax.core import checks
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import ROTATED, fields
+from kvq_jax.kernels._tile_decode import fields, heavy_layout, heavy_support, rotated_format
 from kvq_jax.kernels.paged_attention import pallas_triton, xla
 
 #: Head dims and page sizes the kernel takes (powers of two: Triton block shapes; D >= 32
@@ -53,9 +53,12 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
     argument). Reads shapes and static metadata only (ShapeDtypeStructs will do).
 
     Formats: INT4, INT2, INTB (one table or one per layer), NVFP4, FP8 E4M3 in any loop
-    (per-loop formats, absolute loops), and values in HINT4 / HINT2 when every plane the
+    (per-loop formats, absolute loops), values in HINT4 / HINT2 when every plane the
     attended loop's value chain reads is rotated (attended in the rotated space, as the XLA
-    path does)."""
+    path does), and heavy rows (FORMAT.md 5a) over INT4 / INT2 / INTB (keys and values) or
+    HINT4 / HINT2 (values) with a power-of-two heavy group and the payload on token groups of
+    one heavy group (G - 1 rows, the default) or of one row, or on channel groups. Keys
+    stored before RoPE (`rope_theta`) get RoPE back in the kernel."""
     del block_tables
     config = cache.config
     if return_lse:
@@ -63,9 +66,6 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
     d, ps = config.head_dim, config.page_size
     if config.adaptive_exit:
         return "cache.config.adaptive_exit: the depth map is served by the XLA path"
-    if config.rope_theta is not None:
-        return ("cache.config.rope_theta: keys stored before RoPE get RoPE back in the XLA "
-                "path")  # fmt: skip
     if d not in HEAD_DIMS:
         return f"cache.config.head_dim = {d} is not supported (kernel takes {HEAD_DIMS})"
     if ps not in PAGE_SIZES:
@@ -79,11 +79,17 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
             fmt, g, axis = args["format"], args["group_size"], args["axis"]
             if fields(fmt) is None:
                 return f"cache.config: {kind} loop {i} format {fmt!r} has no kernel decoder"
-            if kind == "key" and fmt in ROTATED:
+            if kind == "key" and rotated_format(fmt):
                 return (
                     f"cache.config: key loop {i} format {fmt!r}: the kernel attends only "
                     "values in the rotated space (XLA path)"
                 )
+            heavy = heavy_layout(fmt)
+            if heavy is not None:
+                why = heavy_support(heavy, axis, g, d)
+                if why:
+                    return f"cache.config: {kind} loop {i} format {fmt!r}: {why}"
+                continue
             length = ps if axis == "tokens" else d
             if fmt != "fp8_e4m3" and (not _is_pow2(g) or length % g):
                 return (
@@ -91,7 +97,9 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
                     f"{axis} must be a power of two dividing {length} (Triton tile shapes)"
                 )
     if checks.is_int(loop) and 0 <= loop < config.num_loops:
-        chain = {config.loop_format("value", i) in ROTATED for i in config.chain("value", loop)}
+        chain = {
+            rotated_format(config.loop_format("value", i)) for i in config.chain("value", loop)
+        }
         if len(chain) > 1:
             return (
                 f"cache.config: loop {loop}'s values mix Hadamard-rotated and plain formats "

@@ -13,6 +13,15 @@ the attended pages ceil(seq_len / page_size):
     `loop`, per-loop formats, each delta added with the rounding of `decode_residual`), so the
     values attended are exactly `gather_batch`'s; HINT values stay in the rotated space (the
     output is un-rotated once, as the XLA path does);
+    Heavy-row pages (FORMAT.md 5a) decode their payload rows straight into the page's rows
+    and put the INT8 heavy rows in (`_tile_decode.load_heavy_tile`); over HINT values the
+    heavy rows, plain, go to a second accumulator that is added after the un-rotation.
+    Keys stored before RoPE (`rope_theta`) get RoPE back on the reconstructed page: the
+    halves x_lo, x_hi of each row turn by the page's float32 cos / sin (binary64 tables of
+    `cache_state.key_rope`, computed in XLA), x_lo cos - x_hi sin and x_hi cos + x_lo sin in
+    float32 (never fused), rounded to the cache dtype (the XLA path rounds the binary64
+    result: the keys agree but for rare last-place ties); scores are then taken on the
+    halves;
   - the partial page (i == stored // page_size) comes from the staging rows (raw, cache dtype;
     rotated float32 for HINT values);
   - positions < sink come from the raw sink rows (padded to whole pages outside the kernel;
@@ -39,11 +48,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kvq_jax.codecs import cache_state
 from kvq_jax.codecs.formats.hadamard import rotate, unrotate
 from kvq_jax.core import registry
-from kvq_jax.kernels import _tile_decode
+from kvq_jax.kernels import _exact, _tile_decode
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import ROTATED, chain_steps, reconstruct_tile
+from kvq_jax.kernels._tile_decode import chain_steps, reconstruct_tile, rotated_format
 
 #: Query heads per KV head from which scores use pltriton.dot (Triton dots need M, N, K >= 16).
 DOT_MIN_GROUP = _launch.DOT_MIN_GROUP
@@ -74,12 +84,6 @@ def _widen(a):
     return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), jnp.uint16)
 
 
-def _unwiden(x):
-    """uint16 [..., n] tile -> the uint8 [..., 2n] tile it holds (inverse of `_widen`)."""
-    lo, hi = (x & 0xFF).astype(jnp.uint8), (x >> 8).astype(jnp.uint8)
-    return jnp.stack([lo, hi], axis=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])
-
-
 def _kernel_view(a):
     """A packed array as the kernel takes it: E4M3 arrays as their uint8 bits (a same-width
     bitcast, free; the tile decoder reads the bits), uint8 arrays of WIDE_INDEX_BYTES or more
@@ -107,15 +111,18 @@ def _load_tile(ref, prefix: tuple, page, head):
     if rest == 2:
         return ref[(*prefix, page, slice(None), head)]
     tile = ref[(*prefix, page, slice(None), head, slice(None))]
-    return _unwiden(tile) if ref.dtype == jnp.uint16 else tile
+    return _tile_decode.unwiden(tile) if ref.dtype == jnp.uint16 else tile
 
 
-def _kernel(*refs, chains, rotated, stage_loop, dtype, page_size, pages_per_split, use_dot, sink,
-            interpret):  # fmt: skip
+def _kernel(*refs, chains, rotated, plain_heavy, rope, stage_loop, dtype, page_size,
+            pages_per_split, use_dot, sink, interpret):  # fmt: skip
     """chains: {"key"/"value": (steps, arrays per plane)}: each kind's loop chain
     (`_tile_decode.chain_steps`) and how many refs each of its planes takes. rotated: the
     values are attended in the rotated space (their staging and sink rows come rotated,
-    float32). stage_loop: {kind: the loop index of the staging rows handed over}."""
+    float32). plain_heavy: the rotated value chain starts with heavy rows, attended into a
+    second accumulator (plain space). rope: keys stored before RoPE (cos / sin tables [max
+    positions, D / 2] follow the sink rows). stage_loop: {kind: the loop index of the
+    staging rows handed over}."""
     it = iter(refs)
     q_ref, tab_ref, lens_ref, stored_ref, sid_ref, layer_ref = (next(it) for _ in range(6))
     plane_refs = {
@@ -123,7 +130,9 @@ def _kernel(*refs, chains, rotated, stage_loop, dtype, page_size, pages_per_spli
     }
     stage_refs = {"key": next(it), "value": next(it)}
     sink_refs = {"key": next(it), "value": next(it)} if sink else None
+    cos_ref, sin_ref = (next(it), next(it)) if rope else (None, None)
     acc_ref, m_ref, l_ref = next(it), next(it), next(it)
+    plain_ref = next(it) if plain_heavy else None
 
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ps = page_size
@@ -135,63 +144,105 @@ def _kernel(*refs, chains, rotated, stage_loop, dtype, page_size, pages_per_spli
     def reconstruct(kind, page):
         def load(fmt, plane, lead):
             refs_ = plane_refs[kind][plane]
+            meta = lambda r: _load_tile(r, lead, page, h)  # noqa: E731
+            if _tile_decode.heavy_layout(fmt) is not None:
+                return _tile_decode.load_heavy_tile(fmt, refs_, lead, page, h, layer_ref[0], meta)
             if _tile_decode.is_intb(fmt):
-                meta = lambda r: _load_tile(r, lead, page, h)  # noqa: E731
                 return _tile_decode.load_intb_tile(refs_, lead, page, h, layer_ref[0], meta)
-            return {
-                n: _load_tile(r, lead, page, h)
-                for n, r in zip(_tile_decode.FIELDS[fmt], refs_, strict=True)
-            }
+            return {n: meta(r) for n, r in zip(_tile_decode.FIELDS[fmt], refs_, strict=True)}
 
         rot = rotated and kind == "value"
         return reconstruct_tile(chains[kind][0], load, dtype, rotated=rot, interpret=interpret)
 
-    def with_sink(kind, i, x):
-        if not sink:
-            return x
+    def sink_rows(kind, i, x):
+        """(in_sink [ps, D], the raw sink rows there) of logical page i."""
         in_sink = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d), 0) < sink
         # A masked load, no branch: past the sink pages every lane is masked (no memory
         # access). A lax.cond returning the tile kept both branches' tiles live: 0.5-20 KB
         # of register spills (docs/kernel_resources.md).
         ref = sink_refs[kind].at[b, pl.ds(i * ps, ps), h, :]
-        rows_ = pltriton.load(ref, mask=in_sink, other=jnp.zeros((), x.dtype))
+        return in_sink, pltriton.load(ref, mask=in_sink, other=jnp.zeros((), x.dtype))
+
+    def with_sink(kind, i, x):
+        if not sink:
+            return x
+        in_sink, rows_ = sink_rows(kind, i, x)
         return jnp.where(in_sink, rows_, x)
 
-    def attend(i, k, v, carry):
-        m_prev, l_prev, acc_prev = carry
+    def halves(x):
+        return tuple(jnp.split(x.astype(jnp.float32), 2, axis=-1))
+
+    def roped_keys(i, k):
+        """A reconstructed key page (stored before RoPE) with RoPE back at positions
+        i * ps .., then its sink rows (raw: RoPE'd as handed over), as halves."""
+        c, s_ = (r[pl.ds(i * ps, ps), :] for r in (cos_ref, sin_ref))  # [ps, D / 2]
+        lo, hi = halves(k)
+        mul = functools.partial(_exact.multiply, interpret=interpret)
+        add = functools.partial(_exact.add, interpret=interpret)
+        out = (add(mul(lo, c), -mul(hi, s_)), add(mul(hi, c), mul(lo, s_)))
+        out = tuple(a.astype(dtype).astype(jnp.float32) for a in out)
+        if not sink:
+            return out
+        _, rows_ = sink_rows("key", i, k)
+        in_sink = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d // 2), 0) < sink
+        return tuple(jnp.where(in_sink, r, a) for r, a in zip(halves(rows_), out, strict=True))
+
+    def scores(k_parts):
+        """[Gp, ps] q k^T over the key parts (the whole rows, or RoPE's halves)."""
+        q_all = q_ref[...].astype(jnp.float32) if use_dot else q
+        q_parts = halves(q_all) if len(k_parts) == 2 else (q_all,)
+        s = None
+        for qp, kp in zip(q_parts, k_parts, strict=True):
+            if use_dot:
+                # q read again per page (an L1 hit): held across the loop in the FMA dot's
+                # operand layout it took a full row of D registers per thread
+                # (nvfp4-gqa8-p32-d128 spilled).
+                part = pltriton.dot(qp, kp, trans_b=True, precision=_HIGHEST)  # [Gp, ps]
+            else:
+                part = jnp.sum(qp[:, None, :] * kp[None, :, :], axis=-1)
+            s = part if s is None else s + part
+        return s
+
+    def weighted(p, v):
+        if use_dot:
+            return pltriton.dot(p, v, precision=_HIGHEST)  # [Gp, D]
+        return jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+    def attend(i, k_parts, v, v_plain, carry):
+        m_prev, l_prev, acc_prev = carry[:3]
         pos = i * ps + lax.broadcasted_iota(jnp.int32, (ps,), 0)
         valid = pos < seq_len
-        k = k.astype(jnp.float32)
+        k_parts = tuple(kp.astype(jnp.float32) for kp in k_parts)
         v = jnp.where(valid[:, None], v.astype(jnp.float32), jnp.float32(0.0))
-        if use_dot:
-            # q read again per page (an L1 hit): held across the loop in the FMA dot's operand
-            # layout it took a full row of D registers per thread (nvfp4-gqa8-p32-d128 spilled).
-            q_page = q_ref[...].astype(jnp.float32)
-            s = pltriton.dot(q_page, k, trans_b=True, precision=_HIGHEST)  # [Gp, ps]
-        else:
-            s = jnp.sum(q[:, None, :] * k[None, :, :], axis=-1)
-        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        s = jnp.where(valid[None, :], scores(k_parts) * scale, -jnp.inf)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp(m_prev - m_new)
         p = jnp.exp(s - m_new[:, None])
         l_new = alpha * l_prev + jnp.sum(p, axis=1)
-        if use_dot:
-            pv = pltriton.dot(p, v, precision=_HIGHEST)  # [Gp, D]
-        else:
-            pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
-        return m_new, l_new, alpha[:, None] * acc_prev + pv
+        out = (m_new, l_new, alpha[:, None] * acc_prev + weighted(p, v))
+        if plain_heavy:
+            vp = jnp.where(valid[:, None], v_plain, jnp.float32(0.0))
+            out += (alpha[:, None] * carry[3] + weighted(p, vp),)
+        return out
 
     def full_page(i, carry):
         page = tab_ref[b, i]
-        k = with_sink("key", i, reconstruct("key", page))
-        v = with_sink("value", i, reconstruct("value", page))
-        return attend(i, k, v, carry)
+        k = reconstruct("key", page)
+        k_parts = roped_keys(i, k) if rope else (with_sink("key", i, k),)
+        v = reconstruct("value", page)
+        v, v_plain = v if rotated else (v, None)
+        v = with_sink("value", i, v)
+        if plain_heavy and sink:  # sink rows are raw (rotated): no plain part
+            in_sink = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d), 0) < sink
+            v_plain = jnp.where(in_sink, jnp.float32(0.0), v_plain)
+        return attend(i, k_parts, v, v_plain, carry)
 
     def partial_page(carry):
         i = stored // ps
         k = with_sink("key", i, stage_refs["key"][stage_loop["key"], sid, :, h, :])
         v = with_sink("value", i, stage_refs["value"][stage_loop["value"], sid, :, h, :])
-        return attend(i, k, v, carry)
+        k_parts = halves(k) if rope else (k,)
+        return attend(i, k_parts, v, jnp.zeros((ps, d), jnp.float32), carry)
 
     attended = (seq_len + ps - 1) // ps
     start = split * pages_per_split
@@ -201,15 +252,16 @@ def _kernel(*refs, chains, rotated, stage_loop, dtype, page_size, pages_per_spli
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, d), jnp.float32),
-    )
+    ) + ((jnp.zeros((rows, d), jnp.float32),) if plain_heavy else ())
     carry = lax.fori_loop(start, full_end, full_page, carry)
     partial = stored // ps
     has_partial = (partial >= start) & (partial < end)
     carry = lax.cond(has_partial, partial_page, lambda c: c, carry)
-    m, l_sum, acc = carry
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l_sum
+    m_ref[...] = carry[0]
+    l_ref[...] = carry[1]
+    acc_ref[...] = carry[2]
+    if plain_heavy:
+        plain_ref[...] = carry[3]
 
 
 def combine(acc, m, l_sum):
@@ -237,7 +289,7 @@ def paged_decode_attention(
     launch=None,
 ):
     """The kernel call (arguments already checked by `api`; seq_ids an int32 [B] array;
-    launch None: `kvq_jax.kernels.launch.paged_attention`). Returns float32 [B, Hq, D]."""
+    launch None: `default_launch`). Returns float32 [B, Hq, D]."""
     config = cache.config
     b, hq, d = q.shape
     h, ps = config.num_heads, config.page_size
@@ -266,13 +318,14 @@ def paged_decode_attention(
     # Values of a rotated chain are attended in the rotated space: their raw rows (this loop's
     # staging rows of every slot, the batch's sink rows) are rotated here, float32. A chain
     # mixing rotated and plain planes, or rotated keys, has no kernel plan (config_support).
-    v_rotated = {step[0] in ROTATED for step in chains["value"][0]}
-    if len(v_rotated) > 1 or any(step[0] in ROTATED for step in chains["key"][0]):
+    v_rotated = {rotated_format(step[0]) for step in chains["value"][0]}
+    if len(v_rotated) > 1 or any(rotated_format(step[0]) for step in chains["key"][0]):
         raise ValueError(
             f"loop {loop}: rotated keys or a value chain mixing rotated and plain formats "
             "(config_support declines it; XLA path)"
         )
     rotated = v_rotated == {True}
+    plain_heavy = rotated and _tile_decode.heavy_layout(chains["value"][0][0][0]) is not None
     v_stage, stage_loop = cache.v_stage, {"key": loop, "value": loop}
     if rotated:
         v_stage, stage_loop["value"] = rotate(v_stage[loop : loop + 1].astype(jnp.float32)), 0
@@ -285,11 +338,17 @@ def paged_decode_attention(
                 x = rotate(x.astype(jnp.float32))
             pad = n_sink_pages * ps - config.sink
             arrays.append(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))))
+    rope = config.rope_theta is not None
+    if rope:  # float32 cos, sin [positions, D / 2] (the halves share their angles)
+        tables_ = cache_state.key_rope(config, jnp.arange(max_pages * ps))
+        arrays += [a[:, 0, : d // 2] for a in tables_]
 
     kernel = functools.partial(
         _kernel,
         chains=chains,
         rotated=rotated,
+        plain_heavy=plain_heavy,
+        rope=rope,
         stage_loop=stage_loop,
         dtype=jnp.dtype(config.dtype),
         page_size=ps,
@@ -302,22 +361,24 @@ def paged_decode_attention(
     inputs = [qf, tables, jnp.asarray(seq_lens, jnp.int32), stored, slots, layer, *arrays]
     in_specs = [pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0))]
     in_specs += [pl.no_block_spec] * (len(inputs) - 1)
+    acc_shape = jax.ShapeDtypeStruct((b, h, num_splits, rows, d), jnp.float32)
+    acc_spec = pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0))
     out_shape = (
-        jax.ShapeDtypeStruct((b, h, num_splits, rows, d), jnp.float32),
+        acc_shape,
         jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32),
         jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32),
-    )
+    ) + ((acc_shape,) if plain_heavy else ())
     out_specs = (
-        pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)),
+        acc_spec,
         pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
         pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
-    )
+    ) + ((acc_spec,) if plain_heavy else ())
     if launch is None:
-        launch = _launch.paged_attention(group, d, ps)
+        launch = default_launch(config, group, loop)
     params = None
     if not interpret:
         params = pltriton.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages)
-    acc, m, l_sum = pl.pallas_call(
+    acc, m, l_sum, *plain = pl.pallas_call(
         kernel,
         grid=(b, h, num_splits),
         in_specs=in_specs,
@@ -328,7 +389,25 @@ def paged_decode_attention(
         name="kvq_paged_decode_attention",
     )(*inputs)
     out = combine(acc, m, l_sum)[:, :, :group]  # [B, H, G, D]
-    return (unrotate(out) if rotated else out).reshape(b, hq, d)
+    out = unrotate(out) if rotated else out
+    if plain_heavy:  # the heavy rows' share, plain (linear in the accumulator)
+        out = out + combine(plain[0], m, l_sum)[:, :, :group]
+    return out.reshape(b, hq, d)
+
+
+def more_tiles(config, loop: int) -> bool:
+    """True when the kernel keeps more than one K and one V tile per page for loop `loop` of
+    caches with `config`: a second value accumulator (the value chain starts with heavy rows
+    over a rotated format) or keys stored before RoPE (turned in halves)."""
+    first = config.loop_format("value", config.chain("value", loop)[0])
+    heavy = _tile_decode.heavy_layout(first)
+    return config.rope_theta is not None or (heavy is not None and rotated_format(first))
+
+
+def default_launch(config, group: int, loop: int) -> _launch.Launch:
+    """The launch `paged_decode_attention` uses without `launch` (`launch.paged_attention`)."""
+    return _launch.paged_attention(group, config.head_dim, config.page_size,
+                                   more_tiles=more_tiles(config, loop))  # fmt: skip
 
 
 def kv_bytes_read(config, seq_lens, *, loop: int) -> int:
