@@ -149,6 +149,45 @@ def test_keys_before_rope_match_the_reference(monkeypatch):
     assert np.abs(np.stack(request.logits) - logits).max() > 10 * REFERENCE_TOL
 
 
+def test_the_best_policy_through_the_kernels_matches_the_reference(monkeypatch):
+    """The served best policy's formats (heavy rows over INTB keys and HINT4 values, keys
+    stored before RoPE) on 2-loop Ouro with backend "auto" resolved as on a GPU (each op's
+    kernel where its `config_support` takes the cache, here in interpret mode; the XLA path
+    elsewhere: page packing of these formats, page reconstruction of HINT rows): 16 decode
+    steps against the page-by-page reference, and decode attention ran in the kernel."""
+    from kvq_jax.kernels import backend
+    from kvq_jax.kernels.page_reconstruct import api as reconstruct_api
+    from kvq_jax.kernels.paged_attention import api as attention_api
+
+    real_resolve, real_kernel = (
+        backend.resolve_backend,
+        attention_api.pallas_triton.paged_decode_attention,
+    )
+    kernel_calls = []
+
+    def as_on_a_gpu(name, support=None, *, device=None):
+        if name == "auto":
+            name = "pallas_interpret" if support is None else "xla"
+        return real_resolve(name, support, device=device)
+
+    def counted(*args, **kwargs):
+        kernel_calls.append(kwargs["interpret"])
+        return real_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "resolve_backend", as_on_a_gpu)
+    monkeypatch.setattr(reconstruct_api, "resolve_backend", as_on_a_gpu)
+    monkeypatch.setattr(attention_api.pallas_triton, "paged_decode_attention", counted)
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    model = tiny_model("ouro", seed=5, loops=2)
+    policy, _ = _heavy_policy(monkeypatch, tables, rope_theta=model.config.rope_theta)
+    jax.clear_caches()  # no program traced with another resolution
+    try:
+        _against_reference(model, policy, backend="auto")
+    finally:
+        jax.clear_caches()
+    assert kernel_calls and all(kernel_calls)
+
+
 def test_exits_across_absolute_loops_match_the_reference():
     """3-loop Ouro at threshold 0.5 with loops 1-2 stored absolute: a token that exited before
     an absolute loop is read as its exit loop there (the adaptive-exit cache's depth map)."""
