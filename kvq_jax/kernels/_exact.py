@@ -8,7 +8,9 @@ Kernels that must reproduce the XLA codecs' bytes cannot use plain `/`, `*` and 
   `mul.rn.f32`, `add.rn.f32`), which PTX defines as correctly rounded and never contracted.
 - In interpret mode the kernel body runs through XLA:CPU, whose simplifier turns a division
   by a broadcast operand into a reciprocal multiply; `divide` goes through
-  `kvq_jax.codecs._numerics.divide`, the barrier the XLA codecs use.
+  `kvq_jax.codecs._numerics.divide`, the barrier the XLA codecs use. The same simplifier
+  drops a float32 -> bfloat16 -> float32 round trip inside one program (XLA's "excess
+  precision"): `round_to` rounds first with `lax.reduce_precision`, which it keeps.
 
 Every helper takes `interpret` (static): True for `pallas_call(..., interpret=True)`, False
 when the kernel lowers through Triton. Inputs are float32 arrays of one shape (broadcast
@@ -84,3 +86,14 @@ def round_half_even(x, *, interpret: bool):
         return _numerics.round_half_even(x)
     shifted = add(x, jnp.full(x.shape, _MAGIC, jnp.float32), interpret=interpret)
     return add(shifted, jnp.full(x.shape, -_MAGIC, jnp.float32), interpret=interpret)
+
+
+def round_to(x, dtype, *, interpret: bool):
+    """float32 x rounded to `dtype` (round to nearest even), as `x.astype(dtype)`. In
+    interpret mode a bfloat16 rounding is first made with `lax.reduce_precision` (8 exponent,
+    7 mantissa bits: the same value), so that XLA cannot drop it when the result is widened
+    to float32 again in the same program (measured: keys attended unrounded, 5e-4 off)."""
+    dtype = jnp.dtype(dtype)
+    if interpret and dtype == jnp.bfloat16:
+        x = lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=8, mantissa_bits=7)
+    return x.astype(dtype)

@@ -518,9 +518,14 @@ def add_in_dtype_tile(prev, delta, dtype, *, interpret: bool):
     flushed, added once (IEEE, never fused), flushed, and rounded once to `dtype`.
     """
     dtype = jnp.dtype(dtype)
-    a = _exact.flush_subnormal(jnp.asarray(prev).astype(dtype).astype(jnp.float32))
-    b = _exact.flush_subnormal(jnp.asarray(delta).astype(dtype).astype(jnp.float32))
-    return _exact.flush_subnormal(_exact.add(a, b, interpret=interpret)).astype(dtype)
+
+    def rounded(x):
+        return _exact.round_to(jnp.asarray(x), dtype, interpret=interpret).astype(jnp.float32)
+
+    a = _exact.flush_subnormal(rounded(prev))
+    b = _exact.flush_subnormal(rounded(delta))
+    total = _exact.flush_subnormal(_exact.add(a, b, interpret=interpret))
+    return _exact.round_to(total, dtype, interpret=interpret)
 
 
 def chain_steps(cache, kind: str, loop: int) -> tuple[tuple, list]:
@@ -573,7 +578,7 @@ def reconstruct_tile(steps, load, dtype, *, rotated: bool = False, interpret: bo
         if rotated:
             recon = values if recon is None else _exact.add(recon, values, interpret=interpret)
         elif recon is None:
-            recon = values.astype(dtype)
+            recon = _exact.round_to(values, dtype, interpret=interpret)
         else:
             recon = add_in_dtype_tile(recon, values, dtype, interpret=interpret)
     return (recon, plain) if rotated else recon

@@ -63,7 +63,7 @@ def test_attention_launch_follows_the_cache():
 
     by_name = {s.name: s for s in specs.SUPPORTED_SPECS}
     for name, more in (("heavy-intb-hint4-rope-gqa3-p32-d64-sink3", True),
-                       ("heavy-int4-int2-p64-d64", False), ("int4-g1-p16-d64", False),
+                       ("heavy-int4-int2-p64-d64-bf16", False), ("int4-g1-p16-d64", False),
                        ("rope-int4-gqa8-p16-d128-loop1-sink2-bf16", True)):  # fmt: skip
         spec = by_name[name]
         assert pallas_triton.more_tiles(spec.config(), spec.loop) is more, name

@@ -319,6 +319,17 @@ def test_heavy_comparison_catches_the_plain_heavy_share_dropped(monkeypatch):
     _run_planted(HEAVY_ROPE_SPEC)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_interpret_mode_comparison_catches_tiles_left_unrounded(monkeypatch):
+    """With the tiles' bfloat16 rounding left to `astype` (XLA:CPU drops a float32 ->
+    bfloat16 -> float32 round trip in one program), the interpret-mode kernel attends
+    unrounded keys and the comparison fails (5e-4 off at 64-token pages)."""
+    from kvq_jax.kernels import _exact
+
+    monkeypatch.setattr(_exact, "round_to", lambda x, dtype, *, interpret: x.astype(dtype))
+    _run_planted(next(s for s in arg_specs.SPECS if s.name == "heavy-int4-int2-p64-d64-bf16"))
+
+
 def test_rotated_values_of_a_bfloat16_cache():
     """A bfloat16 HINT cache: the kernel attends in the rotated space as the XLA path does
     (equal to float32 round-off); the reference rounds each un-rotated row to bfloat16

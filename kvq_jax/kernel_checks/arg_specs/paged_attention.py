@@ -178,10 +178,11 @@ SPECS: tuple[PagedAttentionSpec, ...] = (
           v_base_format=heavy_format("hint4", 16), v_residual_format=heavy_format("hint4", 16),
           dtype="float32", rope_theta=10000.0),
     # Keys before RoPE over an INT4 chain (loop 1 a delta), GQA 8 (the dot path on the
-    # halves), D 128, bf16, sink 2; heavy INT4 / INT2 pages on 64-token groups, float32.
+    # halves), D 128, bf16, sink 2; heavy INT4 / INT2 pages on 64-token groups, bf16 (in
+    # interpret mode XLA dropped the tiles' bfloat16 rounding here: `_exact.round_to`).
     _spec("rope-int4-gqa8-p16-d128-loop1-sink2-bf16", 2, 8, 1, 128, 16, 60, num_loops=2,
           loop=1, dtype="bfloat16", rope_theta=10000.0, sink=2),
-    _spec("heavy-int4-int2-p64-d64", 2, 2, 2, 64, 64, 150,
+    _spec("heavy-int4-int2-p64-d64-bf16", 2, 2, 2, 64, 64, 150, dtype="bfloat16",
           k_base_format=heavy_format("int4", 64, 2, 64),
           k_residual_format=heavy_format("int4", 64, 2, 64),
           v_base_format=heavy_format("int2", 64), v_residual_format=heavy_format("int2", 64)),
@@ -195,14 +196,32 @@ def ouro_spec(
     """Ouro-1.4B decode shapes: Hq = H = 16, D = 128, bf16, 4 loops (attending `loop`).
 
     int4: K token groups of page_size (G = 16 at page 16: 6 bits; 32 at page 32: 5 bits),
-    V channel groups of 64 (4.5 bits); nvfp4: 4.5 bits everywhere.
+    V channel groups of 64 (4.5 bits); nvfp4: 4.5 bits everywhere; "heavy-rope": the best
+    served policy's formats (`_ouro_heavy_rope`; 64-token pages whatever `page_size`).
     """
+    if fmt == "heavy-rope":
+        return _ouro_heavy_rope(batch, context, loop)
     groups = dict(k_group_size=min(page_size, 64), v_group_size=64) if fmt == "int4" else {}
     return _spec(
         f"ouro-{fmt}-b{batch}-ctx{context}-p{page_size}-loop{loop}",
         batch, 16, 16, 128, page_size, context, num_loops=4, loop=loop,
         k_base_format=fmt, k_residual_format=fmt, v_base_format=fmt, v_residual_format=fmt,
         dtype="bfloat16", ragged=False, **groups,
+    )  # fmt: skip
+
+
+def _ouro_heavy_rope(batch: int, context: int, loop: int) -> PagedAttentionSpec:
+    """The best served policy's formats (intb-prerope-hint4-heavy: heavy64 rows over INTB keys
+    with a mean-query table and over HINT4 values, keys stored before RoPE) at Ouro-1.4B's
+    decode shapes, every loop stored whole (heavy formats have no deltas), 64-token pages."""
+    keys = heavy_format(intb_format(16, 128), 64, 16, 128, query_heads=1)
+    values = heavy_format("hint4", 64)
+    later = (1, 2, 3)
+    return _spec(
+        f"ouro-heavy-rope-b{batch}-ctx{context}-p64-loop{loop}", batch, 16, 16, 128, 64,
+        context, num_loops=4, loop=loop, k_base_format=keys, k_residual_format=keys,
+        v_base_format=values, v_residual_format=values, k_absolute=later, v_absolute=later,
+        dtype="bfloat16", ragged=False, rope_theta=1000000.0,
     )  # fmt: skip
 
 
@@ -322,8 +341,11 @@ def make_inputs(spec: PagedAttentionSpec, seed: int = 0) -> Inputs:
     )
 
 
-def _random_leaf(key, name: str, shape, dtype):
+def _random_leaf(key, name: str, shape, dtype, page_size: int = 0):
     dtype = jnp.dtype(dtype)
+    if name == "heavy_rows":  # [..., P, n, H]: a row of each heavy group of page_size / n
+        return jax.random.randint(key, shape, 0, page_size // shape[-2], jnp.int32).astype(dtype)
+    name = name.removeprefix("heavy_")  # heavy rows' INT8 codes, minimum, scale: as INT4's
     if name == "codes" and dtype == jnp.uint8:
         return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(jnp.uint8)
     if name == "codes":  # fp8 codes
@@ -357,7 +379,7 @@ def random_inputs(spec: PagedAttentionSpec, seed: int = 0) -> Inputs:
         arrays = {}
         for i, (name, a) in enumerate(codec_view(packed).arrays.items()):
             sub = jax.random.fold_in(key, 16 * plane + i)
-            leaf = _random_leaf(sub, name, a.shape, a.dtype)
+            leaf = _random_leaf(sub, name, a.shape, a.dtype, spec.page_size)
             stored = packed.arrays[name].dtype  # E4M3 fields are stored as uint8 bits
             arrays[name] = leaf if leaf.dtype == stored else lax.bitcast_convert_type(leaf, stored)
         return dataclasses.replace(packed, **arrays)

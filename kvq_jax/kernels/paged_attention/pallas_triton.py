@@ -180,7 +180,7 @@ def _kernel(*refs, chains, rotated, plain_heavy, rope, stage_loop, dtype, page_s
         mul = functools.partial(_exact.multiply, interpret=interpret)
         add = functools.partial(_exact.add, interpret=interpret)
         out = (add(mul(lo, c), -mul(hi, s_)), add(mul(hi, c), mul(lo, s_)))
-        out = tuple(a.astype(dtype).astype(jnp.float32) for a in out)
+        out = tuple(_exact.round_to(a, dtype, interpret=interpret).astype(jnp.float32) for a in out)
         if not sink:
             return out
         _, rows_ = sink_rows("key", i, k)
