@@ -15,6 +15,9 @@ Steps (each a subprocess with a timeout; a failing step is recorded, the others 
   page_reconstruct  bench/page_reconstruct.py --quick (8 x 4096 tokens, and the copy row)
   paged_attention   bench/paged_attention_kernel.py --quick --batch 1 8 --context 4096 32768
                     --loops 0 3 --check (against bf16 paged attention of the same shapes)
+  paged_attention_best  the same at B 8, 32k tokens, loop 0 for int4 and "heavy-rope" (the
+                    best served policy's formats at Ouro's shapes: heavy rows over INTB keys
+                    and HINT4 values, keys before RoPE; its time over int4's)
   kernel_resources  bench/kernel_resources.py --targets sm_90a --filter d128: registers, spills,
                     shared memory of the kernels compiled for the H100/H200 architecture (the
                     ptxas of the machine's CUDA wheels when the pinned one is not there)
@@ -24,7 +27,7 @@ and loop 3), and the worst registers / spills / shared memory per kernel.
 
 --dry-run does every step on the CPU at the smallest settings, with the tests collected but not
 run: proof that the script starts on a stack before a GPU minute is spent (CI runs it on the
-device machine's Python 3.12 / jax 0.11.2). Budget: <= 8 minutes on one H100/H200 with every
+device machine's Python 3.12 / jax 0.11.2). Budget: <= 9 minutes on one H100/H200 with every
 step at its default timeout (preflight 60 s, tests 180 s, 55 s per benchmark, 75 s for the
 resources). Exit status 0 when every step passed.
 """
@@ -56,6 +59,10 @@ BENCHES = {
         "--context", "4096", "32768", "--formats", "int4", "nvfp4", "--loops", "0", "3",
         "--check",
     ],
+    "paged_attention_best": [
+        "bench/paged_attention_kernel.py", "--quick", "--batch", "8", "--context", "32768",
+        "--formats", "int4", "heavy-rope", "--loops", "0", "--check",
+    ],
 }  # fmt: skip
 #: the same benchmarks at the smallest settings, for --dry-run on a CPU
 DRY_BENCHES = {
@@ -66,6 +73,10 @@ DRY_BENCHES = {
     "paged_attention": [
         "bench/paged_attention_kernel.py", "--quick", "--batch", "1", "--context", "256",
         "--formats", "int4", "nvfp4", "--loops", "0", "3", "--check",
+    ],
+    "paged_attention_best": [
+        "bench/paged_attention_kernel.py", "--quick", "--batch", "1", "--context", "256",
+        "--formats", "int4", "heavy-rope", "--loops", "0", "--check",
     ],
 }  # fmt: skip
 RESOURCES = ["bench/kernel_resources.py", "--targets", "sm_90a", "--filter", "d128"]
@@ -241,17 +252,17 @@ def compass(benches: dict, resources: list[dict] | None) -> list[dict]:
             ratio = r["gbps"] / copy if copy else None
             out.append(dict(measure=name, case=case_of(r), value=r["gbps"], unit="GB/s",
                             vs="copy", ratio=ratio))  # fmt: skip
-    rows = _rows(benches.get("paged_attention"))
-    if rows:
+    for name in ("paged_attention", "paged_attention_best"):
+        rows = _rows(benches.get(name))
+        if not rows:
+            continue
         longest = max(int(r["context"]) for r in rows)
         for r in rows:
             if int(r["context"]) != longest or r["kind"] == "bf16":
                 continue
-            out.append(dict(
-                measure="paged_attention", unit="ms",
-                case=f"{r['kind']} loop {r['loop']} B {r['batch']} ctx {r['context']} {r['impl']}",
-                value=r["ms"], vs="bf16", ratio=r.get("speedup"),
-            ))  # fmt: skip
+            case = f"{r['kind']} loop {r['loop']} B {r['batch']} ctx {r['context']} {r['impl']}"
+            out.append(dict(measure=name, unit="ms", case=case, value=r["ms"], vs="bf16",
+                            ratio=r.get("speedup")))  # fmt: skip
     by_kernel: dict[str, dict] = {}
     for r in resources or []:
         k = by_kernel.setdefault(r["kernel"], dict(registers=0, spills=0, smem=0, n=0, bad=0))

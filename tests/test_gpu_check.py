@@ -71,7 +71,7 @@ def test_commands_name_the_kernel_tests_benchmarks_and_resources():
     dry = gc.pytest_command(gc.parse_args(["--dry-run"]), "j.xml")
     assert "--collect-only" in dry and "--run-gpu" not in dry
     assert set(gc.BENCHES) == set(gc.DRY_BENCHES) == {
-        "page_pack", "page_reconstruct", "paged_attention",
+        "page_pack", "page_reconstruct", "paged_attention", "paged_attention_best",
     }  # fmt: skip
     for name in gc.BENCHES:
         for dry_run in (False, True):
@@ -81,6 +81,8 @@ def test_commands_name_the_kernel_tests_benchmarks_and_resources():
     attn = gc.bench_command("paged_attention", "o.json")
     ctx = attn[attn.index("--context") + 1 : attn.index("--formats")]
     assert "32768" in ctx and attn[attn.index("--loops") + 1 : attn.index("--check")] == ["0", "3"]
+    best = gc.bench_command("paged_attention_best", "o.json")
+    assert best[best.index("--formats") + 1 : best.index("--loops")] == ["int4", "heavy-rope"]
     res = gc.resources_command("r.json")
     assert (BENCH.parent / res[1]).is_file() and res[res.index("--targets") + 1] == "sm_90a"
 
