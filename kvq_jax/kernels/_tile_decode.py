@@ -109,6 +109,7 @@ __all__ = [
     "nvfp4_tile",
     "reconstruct_tile",
     "rotated_format",
+    "tile_support",
     "unpack_crumbs_tile",
     "unpack_nibbles_tile",
     "unwiden",
@@ -299,6 +300,28 @@ def heavy_support(heavy: HeavyLayout, axis: str, group_size: int, head_dim: int)
         return f"payload token groups of {group_size} rows (the kernels take {g - 1} or 1)"
     if axis == "channels" and (group_size & (group_size - 1) or head_dim % group_size):
         return f"payload channel groups of {group_size}: not a power of two dividing {head_dim}"
+    return None
+
+
+def tile_support(fmt: str, axis: str, group_size: int, page_size: int,
+                 head_dim: int) -> str | None:  # fmt: skip
+    """None when the tile decoders take a plane in `fmt` with `axis` / `group_size` at
+    [page_size, head_dim] tiles, else why not (Triton tile shapes: every block a power of
+    two). Rotation is the callers' question (which kernel reads rotated rows)."""
+    if fields(fmt) is None:
+        return f"format {fmt!r} has no kernel decoder"
+    heavy = heavy_layout(fmt)
+    if heavy is not None:
+        why = heavy_support(heavy, axis, group_size, head_dim)
+        return None if why is None else f"format {fmt!r}: {why}"
+    if fmt in ("int2", "hint2") and head_dim < 4:
+        return f"head_dim {head_dim}: INT2 tiles need head_dim >= 4 (four codes per byte)"
+    if fmt == "fp8_e4m3":
+        return None
+    length = page_size if axis == "tokens" else head_dim
+    if group_size & (group_size - 1) or length % group_size:
+        return (f"{fmt} group size {group_size} along {axis} must be a power of two dividing "
+                f"{length} (Triton tile shapes)")  # fmt: skip
     return None
 
 

@@ -269,22 +269,19 @@ def test_per_loop_comparison_catches_a_kernel_ignoring_absolute_loops(monkeypatc
         return chain_steps(dataclasses.replace(cache, config=config), kind, loop)
 
     monkeypatch.setattr(pallas_triton, "chain_steps", as_deltas)
-    jax.clear_caches()
-    try:
-        out, ref = TestPallasInterpret().run(PER_LOOP_SPEC, loop=2)
-        assert_close(out, ref, "planted defect")
-    finally:
-        jax.clear_caches()
+    _run_planted(PER_LOOP_SPEC, loop=2)
 
 
 #: The best policy's shape: heavy rows over INTB keys and HINT4 values, keys before RoPE.
 HEAVY_ROPE_SPEC = next(s for s in arg_specs.SPECS if s.name.startswith("heavy-intb-hint4-rope"))
 
 
-def _run_planted(spec):
+def _run_planted(spec, loop=None):
+    """The interpret-mode kernel (a defect planted by the caller) against the reference, with
+    no program traced before or after the plant."""
     jax.clear_caches()
     try:
-        out, ref = TestPallasInterpret().run(spec)
+        out, ref = TestPallasInterpret().run(spec, loop=loop)
         assert_close(out, ref, "planted defect")
     finally:
         jax.clear_caches()
@@ -350,12 +347,7 @@ def test_rotated_values_of_a_bfloat16_cache():
 def test_rotated_comparison_catches_an_output_left_rotated(monkeypatch):
     """The comparison fails when the kernel's output is not un-rotated."""
     monkeypatch.setattr(pallas_triton, "unrotate", lambda x: x)
-    jax.clear_caches()
-    try:
-        out, ref = TestPallasInterpret().run(ROTATED_SPEC)
-        assert_close(out, ref, "planted defect")
-    finally:
-        jax.clear_caches()
+    _run_planted(ROTATED_SPEC)
 
 
 class TestPallasInterpret(PagedAttentionBase):

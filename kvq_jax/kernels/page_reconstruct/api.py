@@ -19,13 +19,7 @@ from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.layouts import check_kind
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import (
-    chain_steps,
-    fields,
-    heavy_layout,
-    heavy_support,
-    rotated_format,
-)
+from kvq_jax.kernels._tile_decode import chain_steps, rotated_format, tile_support
 from kvq_jax.kernels.backend import resolve_backend
 from kvq_jax.kernels.page_reconstruct import pallas_triton, xla
 
@@ -63,28 +57,13 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
     for loop in range(config.num_loops):
         args = config.loop_pack_args(kind, loop)
         fmt, axis, group = args["format"], args["axis"], args["group_size"]
-        if fields(fmt) is None:
-            return f"{kind} loop {loop} format {fmt!r} has no kernel decoder"
+        why = tile_support(fmt, axis, group, ps, d)
+        if why:
+            return f"{kind} loop {loop} {why}"
         if rotated_format(fmt):
             return (
                 f"{kind} loop {loop} format {fmt!r}: rows are un-rotated one by one on the XLA "
                 "path (decode attention's kernel reads them in the rotated space)"
-            )
-        heavy = heavy_layout(fmt)
-        if heavy is not None:
-            why = heavy_support(heavy, axis, group, d)
-            if why:
-                return f"{kind} loop {loop} format {fmt!r}: {why}"
-            continue
-        if fmt == "int2" and d < 4:
-            return f"head_dim {d}: INT2 tiles need head_dim >= 4 (four codes per byte)"
-        if fmt == "fp8_e4m3":
-            continue
-        length = ps if axis == "tokens" else d
-        if not _power_of_two(group) or group > length:
-            return (
-                f"{kind} loop {loop} {fmt} group size {group} along {axis} must be a power of "
-                f"two dividing {length}"
             )
     return None
 

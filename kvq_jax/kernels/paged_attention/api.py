@@ -28,7 +28,7 @@ from kvq_jax.codecs.cache_state import check_cache
 from kvq_jax.core import checks
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import fields, heavy_layout, heavy_support, rotated_format
+from kvq_jax.kernels._tile_decode import rotated_format, tile_support
 from kvq_jax.kernels.paged_attention import pallas_triton, xla
 
 #: Head dims and page sizes the kernel takes (powers of two: Triton block shapes; D >= 32
@@ -41,10 +41,6 @@ MAX_GROUP = 64
 TARGET_PROGRAMS = 256
 #: Fewest pages a default split gets.
 MIN_PAGES_PER_SPLIT = 8
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
@@ -77,24 +73,13 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
         for i in range(config.num_loops):
             args = config.loop_pack_args(kind, i)
             fmt, g, axis = args["format"], args["group_size"], args["axis"]
-            if fields(fmt) is None:
-                return f"cache.config: {kind} loop {i} format {fmt!r} has no kernel decoder"
+            why = tile_support(fmt, axis, g, ps, d)
+            if why:
+                return f"cache.config: {kind} loop {i} {why}"
             if kind == "key" and rotated_format(fmt):
                 return (
                     f"cache.config: key loop {i} format {fmt!r}: the kernel attends only "
                     "values in the rotated space (XLA path)"
-                )
-            heavy = heavy_layout(fmt)
-            if heavy is not None:
-                why = heavy_support(heavy, axis, g, d)
-                if why:
-                    return f"cache.config: {kind} loop {i} format {fmt!r}: {why}"
-                continue
-            length = ps if axis == "tokens" else d
-            if fmt != "fp8_e4m3" and (not _is_pow2(g) or length % g):
-                return (
-                    f"cache.config: {kind} loop {i} {fmt} group size {g} along "
-                    f"{axis} must be a power of two dividing {length} (Triton tile shapes)"
                 )
     if checks.is_int(loop) and 0 <= loop < config.num_loops:
         chain = {
