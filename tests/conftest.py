@@ -3,8 +3,8 @@
 `@pytest.mark.thin(n)` on a parametrized test: the default run takes one case in n (in
 collection order, case i where i % n == (i // n) % n: the kept cases step through the inner
 parameters instead of repeating one value; collection fails where a value of a parameter
-would be left out entirely), the others run with --run-slow (CI time: the variants of one check
-differ in shapes and dtypes, not in code path).
+would be left out entirely), the others run with --run-slow or when named by id (CI time: the
+variants of one check differ in shapes and dtypes, not in code path).
 
 Without --run-gpu the suite runs on the CPU (JAX_PLATFORMS=cpu unless set): with the CUDA
 plugin installed (the `cuda-compile` extra, for the deviceless `cuda_compile` tests) JAX would
@@ -29,7 +29,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--run-slow"):
+    # (before -k deselects: conftest hooks run first, so the kept cases do not depend on -k)
+    named = any("[" in arg for arg in config.args)  # cases asked for by id run as asked
+    if not config.getoption("--run-slow") and not named:
         thin_out(items)
     for marker, option in (("gpu", "--run-gpu"), ("slow", "--run-slow")):
         if config.getoption(option):
