@@ -12,6 +12,7 @@ from kvq_jax.cli import commands as cli
 from kvq_jax.codecs.formats.intb import register_table
 from kvq_jax.conformance import check_pack, load_vectors
 from kvq_jax.conformance.generate import generate
+from kvq_jax.conformance.vectors import save_vectors
 from kvq_jax.core.constants import FORMATS, ROTATED_FORMATS
 from kvq_jax.core.layouts import intb_name
 
@@ -69,8 +70,8 @@ _FIRST = {
 }
 NUMPY_SAMPLE = [c for i, c in enumerate(CASES) if i % 9 == 4 or c.name in _FIRST.values()]
 #: the JAX-array run of the default test command: every ninth vector and the first of each
-#: (format, dtype) (CI time: every vector is a compile; the CLI test runs every vector with
-#: numpy inputs); every vector with --run-slow.
+#: (format, dtype) (CI time: every vector is an eager compile; the CLI test runs the same
+#: sample with numpy inputs); every vector with --run-slow.
 JAX_SAMPLE = [c for i, c in enumerate(CASES) if i % 9 == 0 or c.name in _FIRST.values()]
 
 
@@ -79,7 +80,7 @@ JAX_SAMPLE = [c for i, c in enumerate(CASES) if i % 9 == 0 or c.name in _FIRST.v
     [
         pytest.param("jax", JAX_SAMPLE, id="jax-sample"),
         pytest.param("jax", CASES, id="jax", marks=pytest.mark.slow),
-        # numpy inputs of every vector: test_cli_reports_pass_and_fail (the CLI's default)
+        # numpy inputs of the sample / every vector: test_cli_reports_pass_and_fail (the CLI)
         pytest.param("numpy", NUMPY_SAMPLE, id="numpy-sample", marks=pytest.mark.slow),
         pytest.param("numpy", CASES, id="numpy", marks=pytest.mark.slow),
     ],
@@ -147,12 +148,25 @@ def test_cli_skips_table_cases_without_a_register_table(capsys):
     assert f"{len(CASES) - table_cases} passed, 0 failed, {table_cases} skipped" in out
 
 
-def test_cli_reports_pass_and_fail(capsys):
+@pytest.mark.parametrize(
+    "every",
+    [pytest.param(False, id="sample"), pytest.param(True, id="all", marks=pytest.mark.slow)],
+)
+def test_cli_reports_pass_and_fail(capsys, tmp_path, every):
+    """The CLI (numpy inputs, decoding too) passes every vector (by default a --vectors file of
+    the JAX sample and the E2M1 ties: CI time, each vector is an eager compile) and fails a
+    wrong implementation."""
+    vectors = []
+    cases = CASES
+    if not every:
+        cases = [c for c in CASES if c in JAX_SAMPLE or c.name == "ties/e2m1_midpoints"]
+        save_vectors(cases, tmp_path / "sample.npz")
+        vectors = ["--vectors", str(tmp_path / "sample.npz")]
     register = ["--register-table", "kvq_jax.codecs.formats.intb:register_table"]
-    assert cli.main(["conformance", "--unpack", "kvq_jax:unpack_kv", *register]) == 0
+    assert cli.main(["conformance", "--unpack", "kvq_jax:unpack_kv", *register, *vectors]) == 0
     out = capsys.readouterr().out
-    assert f"{len(CASES)} passed, 0 failed\n" in out
-    assert cli.main(["conformance", "test_conformance:off_by_one_code"]) == 1
+    assert f"on {len(cases)} vectors" in out and f"{len(cases)} passed, 0 failed\n" in out
+    assert cli.main(["conformance", "test_conformance:off_by_one_code", *vectors]) == 1
     out = capsys.readouterr().out
     assert "FAIL ties/e2m1_midpoints [nvfp4]: codes:" in out
     with pytest.raises(SystemExit, match="MODULE:FUNCTION"):

@@ -131,6 +131,7 @@ def test_heavy_rows_in_every_loop_match_the_reference(monkeypatch):
     assert engine.cache_configs[0].k_absolute == engine.cache_configs[0].v_absolute == (1,)
 
 
+@pytest.mark.slow  # CI time: the kernel-path test below runs these formats by default
 def test_keys_before_rope_match_the_reference(monkeypatch):
     """Keys stored before RoPE (FORMAT.md 5b) with heavy rows, 2-loop Ouro: each key page packs
     `invert_rope` at its positions, rows chosen from the RoPE'd keys, and is attended with
