@@ -225,8 +225,9 @@ def gather_bytes(ref, lead: tuple, page, head, index, rows):
 
 
 def gather_rows(ref, lead: tuple, page, head, rows):
-    """uint8 [R, W]: rows `rows` (int32 [R]) of (page, head) of a codes ref [*lead, P, rows,
-    H, W] (or its uint16 view, `unwiden`), one gather load."""
+    """[R, W]: rows `rows` (int32 [R]) of (page, head) of a ref [*lead, P, rows, H, W] (codes,
+    or per-row metadata; a uint16 view of uint8 codes is read back as bytes, `unwiden`), one
+    gather load."""
     width = ref.shape[-1]
     c = lax.broadcasted_iota(jnp.int32, (rows.shape[0], width), 1)
     tile = ref[(*lead, page, _row_grid(rows, width), head, c)]
@@ -332,10 +333,10 @@ def load_heavy_tile(fmt: str, refs, lead: tuple, page, head, layer, load) -> dic
     token group per heavy group ([n, D]), else (one entry per payload row: channel groups,
     or token groups of one row) gathered the same way ([ps, D / G_b]); the heavy fields as
     `load` loads them. refs: `fields(fmt)` order."""
-    base = heavy_layout(fmt).base.name
+    heavy = heavy_layout(fmt)
+    base, group = heavy.base.name, heavy.heavy_group
     n_base = len(fields(base))
     out = {f: load(r) for f, r in zip(HEAVY_FIELDS, refs[n_base:], strict=True)}
-    group = heavy_layout(fmt).heavy_group
     _, payload = heavy_row_index(out["heavy_rows"], group)
     if is_intb(base):
         codes_ref, min_ref, scale_ref, starts_ref, bits_ref = refs[:n_base]
