@@ -174,6 +174,7 @@ def _check(values, keys, table, t_g, kind, fmt, base, rows=None, eager=True):
     return enc, packed, tp
 
 
+@pytest.mark.thin(3)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("t, g, kind, fmt, base", CASES, ids=str)
 def test_jax_and_torch_equal_the_oracle(t, g, kind, fmt, base, dtype):

@@ -4,8 +4,8 @@ GPU (`kvq_jax.kernel_checks.cuda_compile`: JAX deviceless AOT compilation, the p
 - `cuda_compile` tests (python -m pytest -m cuda_compile): every kernel configuration of the
   CI subset (`cuda_compile.ci_subset`: every kernel, every format, both head dims, the
   largest page; KVQ_CUDA_COMPILE=full: every configuration; =smoke: `cuda_compile.smoke_subset`,
-  every format in every role once, for the second CI environment; for sm_120a the default run
-  takes the smoke subset, the CI subset with --run-slow) compiles for each target with
+  every format in every role once, for the second CI environment; for sm_90a and sm_120a the
+  default run takes the smoke subset, the CI subset with --run-slow) compiles for each target with
   its measured knobs (`cuda_compile.tuned_knobs`), the PTX's `.target` is the target's, no
   register spills (0 bytes of spill stores) and shared memory within the target's limit.
   A deliberately broken kernel fails with the compiler's message. They skip, saying why and
@@ -39,9 +39,10 @@ TARGETS = tuple(cc.TARGETS)
 
 
 def _compile_cases():
-    """(cfg, target) cases, cfg fastest. At the CI level, sm_120a takes the smoke subset by
-    default and the rest of the CI subset with --run-slow (CI time: the second CI environment
-    compiles the smoke subset for sm_120a too; sm_80 and sm_90a take the whole CI subset)."""
+    """(cfg, target) cases, cfg fastest. At the CI level, sm_90a and sm_120a take the smoke
+    subset by default and the rest of the CI subset with --run-slow (CI time: the second CI
+    environment compiles the smoke subset for sm_120a too); sm_80, the target with the fewest
+    registers to spare (docs/kernel_resources.md), takes the whole CI subset."""
     smoke = {(c.kernel, c.name) for c in cc.smoke_subset(SELECTED)} if LEVEL == "ci" else None
     for target in TARGETS:
         for c in SELECTED:
@@ -50,7 +51,7 @@ def _compile_cases():
                 marks.append(
                     pytest.mark.xfail(strict=True, reason=cc.KNOWN_SPILLS[c.kernel, c.name])
                 )
-            if smoke is not None and target == "sm_120a" and (c.kernel, c.name) not in smoke:
+            if smoke is not None and target != "sm_80" and (c.kernel, c.name) not in smoke:
                 marks.append(pytest.mark.slow)
             yield pytest.param(c, target, id=f"{c.kernel}-{c.name}-{target}", marks=marks)
 
