@@ -77,7 +77,8 @@ def _same_bytes(got, want, where):
 
 def test_device_tables_are_the_oracles():
     """`rope_at` (traced positions, binary64 on the device) gives the oracle's float32 cos/sin
-    and `rope_tables`' for every position of a 32k context."""
+    and `rope_tables`' for every position of a 32k context; `key_rope` of static positions
+    (NumPy, half width) the oracle's too."""
     for dim, theta in ((16, THETA), (128, 1e6)):
         pos = np.array([0, 1, 2, 777, 4095, 32767])
         cos, sin = jax.jit(rope_at, static_argnums=(1, 2))(jnp.asarray(pos), dim, theta)
@@ -89,6 +90,14 @@ def test_device_tables_are_the_oracles():
         want = rope_tables(32768, dim, theta)
         assert np.asarray(cos).tobytes() == want[0].tobytes()
         assert np.asarray(sin).tobytes() == want[1].tobytes()
+        # static positions: NumPy's half-width tables (program constants), the same numbers
+        config = _config(head_dim=dim, rope_theta=theta)
+        cos, sin = cache_state.key_rope(config, pos)
+        assert cos.shape == (len(pos), 1, dim // 2)
+        for i, p in enumerate(pos):
+            want_cos, want_sin = oracle.rope.tables(1, dim, theta, offset=int(p))
+            np.testing.assert_array_equal(np.asarray(cos)[i, 0], np.float32(want_cos[0][: dim // 2]))
+            np.testing.assert_array_equal(np.asarray(sin)[i, 0], np.float32(want_sin[0][: dim // 2]))
 
 
 def _rebuilt(config, loop=0, absolute=()):
@@ -224,14 +233,16 @@ def test_fork_and_swap_keep_positions(tmp_path):
 
 
 def test_planted_defect_wrong_positions(monkeypatch):
-    """The read checks can fail: RoPE put back one position late (a planted defect in the
-    device tables) moves every served key of a complete page."""
+    """The read checks can fail: the tables one position late (a planted defect in
+    `key_rope`, static and traced positions alike: RoPE taken off at packing and put back at
+    reading one position late) move every served key of a complete page."""
     config = _config(num_pages=13)  # a configuration of its own: traced with the defect
+    key_rope = cache_state.key_rope
 
-    def late(positions, dim, theta):
-        return rope_at(jnp.asarray(positions) + 1, dim, theta)
+    def late(config, positions):
+        return key_rope(config, positions + 1)
 
-    monkeypatch.setattr(cache_state, "rope_at", late)
+    monkeypatch.setattr(cache_state, "key_rope", late)
     cache = _fill(config, [T])
     with pytest.raises(AssertionError, match="keys of 0"):
         _check_reads(cache, config)

@@ -46,6 +46,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -57,6 +58,7 @@ from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.codec_base import layer_arg
 from kvq_jax.core.containers import CACHE_FIELDS, PagedCacheBase, plane_fields, rest_dtype
 from kvq_jax.core.registry import layout
+from kvq_jax.core.rope import tables_at
 
 __all__ = [
     "PagedCacheConfig",
@@ -203,12 +205,17 @@ def head_shardings(cache: PagedKVCache, mesh, axis: str):
 
 
 def key_rope(config: PagedCacheConfig, positions):
-    """(cos, sin) float32 [..., 1, D] of int positions [...] for the keys of a cache storing
-    them before RoPE (`config.rope_theta`; `rope_at`), None for other caches. Compute them
-    once per read (not per block of pages): XLA hoists tables of static positions out of
-    the engine's layer scan."""
+    """(cos, sin) float32 for the keys of a cache storing them before RoPE
+    (`config.rope_theta`), None for other caches. positions: int [...], a NumPy array when
+    static (the tables are then computed here, in NumPy, and enter the program as constants
+    [..., 1, D / 2]: no binary64 cosines on the device, and nothing to hoist out of a layer
+    scan), else traced (`rope_at` on the device: [..., 1, D]). The same numbers either way
+    (`kvq_jax.core.rope.tables_at`); `rope_keys` takes both widths."""
     if config.rope_theta is None:
         return None
+    if isinstance(positions, np.ndarray):
+        tables = tables_at(positions, config.head_dim, config.rope_theta, half=True)
+        return tuple(jnp.asarray(a) for a in tables)
     return rope_at(positions, config.head_dim, config.rope_theta)
 
 
@@ -278,7 +285,7 @@ def read_batch(cache: PagedKVCache, rows, seq_lens, seq_ids, *, loop: int, decod
     ):
         pages = decode(kind, page_ids).reshape(b, m * config.page_size, *config.page_shape[1:])
         if kind == "key":  # stored before RoPE: turned at each row's position in its sequence
-            pages = rope_keys(config, pages, key_rope(config, jnp.arange(m * config.page_size)))
+            pages = rope_keys(config, pages, key_rope(config, np.arange(m * config.page_size)))
         pages = pages.reshape(b, m, *config.page_shape)
         stage_rows, sink_rows = stage[loop][seq_ids], sink[loop][seq_ids]
         out.append(one(pages, stage_rows, sink_rows, stored, jnp.asarray(seq_lens)))

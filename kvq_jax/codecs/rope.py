@@ -27,7 +27,8 @@ def _rotate(x, cos, sin, sign: float):
 
 
 def apply_rope(x, cos, sin):
-    """[T, H, D] -> x * cos + rotate_half(x) * sin as float32 (cos, sin: float32 [T, 1, D])."""
+    """[T, H, D] -> x * cos + rotate_half(x) * sin as float32 (cos, sin: float32 [T, 1, D], or
+    their first halves [T, 1, D / 2]: the second half repeats the first)."""
     return _rotate(x.astype(jnp.float32), cos, sin, 1.0)
 
 

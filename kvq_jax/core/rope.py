@@ -24,10 +24,18 @@ def inverse_frequencies(dim: int, theta: float) -> np.ndarray:
 def rope_tables(num_tokens: int, dim: int, theta: float, offset: int = 0):
     """(cos, sin) float32 [T, 1, D] of positions offset .. offset + T - 1: channel c and
     c + D/2 share the angle position * theta^(-2c/D)."""
+    return tables_at(np.arange(offset, offset + num_tokens), dim, theta)
+
+
+def tables_at(positions, dim: int, theta: float, *, half: bool = False):
+    """(cos, sin) float32 [..., 1, D] of int positions [...] (half: [..., 1, D / 2], the
+    first half only, which the second repeats): the binary64 angle position * theta^(-2c/D),
+    its binary64 cos / sin rounded once to float32."""
     inv = inverse_frequencies(dim, theta)
-    angle = np.arange(offset, offset + num_tokens, dtype=np.float64)[:, None] * inv[None]
-    angle = np.concatenate([angle, angle], axis=1)[:, None, :]
-    return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    angle = np.asarray(positions, dtype=np.float64)[..., None] * inv
+    if not half:
+        angle = np.concatenate([angle, angle], axis=-1)
+    return tuple(f(angle)[..., None, :].astype(np.float32) for f in (np.cos, np.sin))
 
 
 def rope_aware_weights(dim: int, theta: float, num_tokens: int, recent: int = 16) -> np.ndarray:

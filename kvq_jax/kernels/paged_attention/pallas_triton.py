@@ -18,7 +18,7 @@ the attended pages ceil(seq_len / page_size):
     heavy rows, plain, go to a second accumulator that is added after the un-rotation.
     Keys stored before RoPE (`rope_theta`) get RoPE back on the reconstructed page: the
     halves x_lo, x_hi of each row turn by the page's float32 cos / sin (binary64 tables of
-    `cache_state.key_rope`, computed in XLA), x_lo cos - x_hi sin and x_hi cos + x_lo sin in
+    `cache_state.key_rope`, program constants: no cosines per call), x_lo cos - x_hi sin and x_hi cos + x_lo sin in
     float32 (never fused), rounded to the cache dtype (the XLA path rounds the binary64
     result: the keys agree but for rare last-place ties); scores are then taken on the
     halves;
@@ -340,7 +340,7 @@ def paged_decode_attention(
             arrays.append(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))))
     rope = config.rope_theta is not None
     if rope:  # float32 cos, sin [positions, D / 2] (the halves share their angles)
-        tables_ = cache_state.key_rope(config, jnp.arange(max_pages * ps))
+        tables_ = cache_state.key_rope(config, np.arange(max_pages * ps))
         arrays += [a[:, 0, : d // 2] for a in tables_]
 
     kernel = functools.partial(

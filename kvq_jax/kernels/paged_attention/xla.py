@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kvq_jax.codecs import cache_state
@@ -112,8 +113,8 @@ def paged_decode_attention(
     state = soft.update(state, raw_rows(cache.k_stage), raw_values(cache.v_stage), stage_valid)
 
     block_tokens = block_pages * ps
-    # pre-RoPE keys: the tables of every position once (static: hoisted out of a layer scan)
-    rope = cache_state.key_rope(config, jnp.arange(n_blocks * block_tokens))
+    # pre-RoPE keys: the tables of every position, constants of the program (static positions)
+    rope = cache_state.key_rope(config, np.arange(n_blocks * block_tokens))
 
     def decode(kind, pages):
         chain = cache.loop_chain(kind, loop)
