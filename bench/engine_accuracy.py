@@ -11,17 +11,18 @@ delta NLL and top-1 agreement against the engine's own bf16 cache run.
 
     python bench/engine_accuracy.py [--loops 1 4] [--policies int4-g64+win nvfp4+win ...]
         [--windows 4 --prefix 256 --predictions 32] [--json PATH]
-        [--loop-kv all last mean] [--thresholds 1.0 0.5] [--text FILE]
+        [--loop-kv all last mean] [--thresholds 1.0 0.5] [--text FILE] [--tables TABLES.npz]
 
 A looped (Ouro) model, e.g. looped-tiny, is read on its checkpoint's held-out text
 (`heldout.txt`) unless --text says otherwise. `--loop-kv` runs every policy under each of the
 engine's loop-KV modes and `--thresholds` under each early-exit threshold (Ouro: the
 checkpoint's `early_exit_threshold` replaced; decode skips the loops after every active row
-has exited); every row is compared with ONE reference, the unquantized "bf16" policy (the
-compute dtype, raw) at the first loop_kv mode and the first threshold, so a row's delta NLL
-is what its policy, mode and threshold cost together. `exit_loop` is the mean 1-based loop
-the predicted tokens exit at (the loops a token needs) and `loops_per_step` the mean loops
-a decode step of the whole batch ran.
+has exited); `--tables` puts the intb-* policies on a `kvq calibrate` file (named
+"<policy>@<file stem>", as `kvq generate --tables` does). Every row is compared with ONE
+reference, the unquantized "bf16" policy (the compute dtype, raw) at the first loop_kv mode
+and the first threshold, so a row's delta NLL is what its policy, mode and threshold cost
+together. `exit_loop` is the mean 1-based loop the predicted tokens exit at (the loops a
+token needs) and `loops_per_step` the mean loops a decode step of the whole batch ran.
 
 What differs from `kvq report --model` (which quantizes each whole window at once, inside
 Torch attention): here keys are grouped per page as they fill (a group never spans a page
@@ -43,7 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
-from kvq_jax.engine import Engine
+from kvq_jax.core.calibration import apply_key_tables
+from kvq_jax.engine import Engine, resolve_policy
 from kvq_jax.models import load_model
 from kvq_torch_bridge.model_eval.metrics import compare_logits
 from kvq_torch_bridge.model_eval.text import text_windows
@@ -105,8 +107,12 @@ def main(argv=None) -> None:
     parser.add_argument("--text", default=None,
                         help="UTF-8 text (default: a looped checkpoint's heldout.txt, else the "
                              "packaged Lee news and Hamlet)")  # fmt: skip
+    parser.add_argument("--tables", default=None, metavar="TABLES.npz",
+                        help="key tables from kvq calibrate for the intb-* policies")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    names = ["bf16", *(p for p in args.policies if p != "bf16")]
+    policies = apply_key_tables([resolve_policy(p) for p in names], args.tables)
 
     model = load_model(args.model, args.dtype)
     text = args.text or default_text(model)
@@ -126,7 +132,7 @@ def main(argv=None) -> None:
             m_model = with_threshold(model, threshold)
             thr = m_model.config.early_exit_threshold if m_model.config.arch == "ouro" else None
             for loop_kv in args.loop_kv:
-                for policy in ["bf16", *(p for p in args.policies if p != "bf16")]:
+                for policy in policies:
                     t0 = time.perf_counter()
                     got, engine = forced_logits(m_model, policy, windows, prefix=args.prefix,
                                                 predictions=args.predictions, loops=loops,
@@ -138,14 +144,15 @@ def main(argv=None) -> None:
                     m = compare_logits(ref_t, torch.from_numpy(got), targets)
                     steps = max(engine.stats["decode_steps"], 1)
                     row = dict(loops=loops, threshold=thr, loop_kv=loop_kv,
-                               emulated=engine.emulated, policy=policy,
+                               emulated=engine.emulated, policy=policy.name,
                                kv_bytes_per_token=engine.kv_bytes_per_token(),
                                exit_loop=float(engine.exit_loops.mean() + 1),
                                loops_per_step=engine.stats["decode_loops"] / steps,
                                seconds=seconds, **m)  # fmt: skip
                     rows.append(row)
                     print(f"{loops:>5} {thr if thr is not None else '':>4} {loop_kv:>7}  "
-                          f"{policy:<16} {m['kl']:9.5f} {m['delta_nll']:+9.5f} {m['top1']:6.3f} "
+                          f"{policy.name:<16} {m['kl']:9.5f} {m['delta_nll']:+9.5f} "
+                          f"{m['top1']:6.3f} "
                           f"{m['nll']:7.4f} {row['exit_loop']:5.2f} {row['loops_per_step']:6.2f} "
                           f"{row['kv_bytes_per_token']:7.0f} {seconds:5.0f}",
                           flush=True)  # fmt: skip
