@@ -25,6 +25,7 @@ import numpy as np
 from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import resolve_paged
+from kvq_jax.core.layouts import is_power_of_two
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.page_pack import pallas_triton, xla
@@ -35,19 +36,15 @@ KERNEL_FORMATS = ("int4", "nvfp4", "fp8_e4m3")
 MAX_TILE_ELEMENTS = 2**15
 
 
-def _power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def _reason(page_shape, format: str, axis: str, group_size: int) -> str | None:
     """Why the kernel cannot pack pages of `page_shape` = (page_size, H, D) with the resolved
     (format, axis, group_size), or None."""
     page_size, _, d = page_shape
     if format not in KERNEL_FORMATS:
         return f"format {format!r} has no page-pack kernel (kernels: {KERNEL_FORMATS})"
-    if not _power_of_two(page_size):
+    if not is_power_of_two(page_size):
         return f"page_size {page_size} (pages.shape[1]) is not a power of two"
-    if not _power_of_two(d) or d < 2:
+    if not is_power_of_two(d) or d < 2:
         return f"head dim D={d} (pages.shape[3]) is not a power of two >= 2"
     if page_size * d > MAX_TILE_ELEMENTS:
         return (

@@ -17,7 +17,7 @@ from jax import lax
 from kvq_jax.codecs.cache_state import check_cache
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
-from kvq_jax.core.layouts import check_kind
+from kvq_jax.core.layouts import check_kind, is_power_of_two
 from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels._tile_decode import chain_steps, rotated_format, tile_support
 from kvq_jax.kernels.backend import resolve_backend
@@ -25,10 +25,6 @@ from kvq_jax.kernels.page_reconstruct import pallas_triton, xla
 
 #: Largest tile (page_size * head_dim elements) one kernel program holds in registers.
 MAX_TILE_ELEMENTS = 2**15
-
-
-def _power_of_two(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
 
 
 def config_support(config: PagedCacheConfig, kind: str) -> str | None:
@@ -46,9 +42,9 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
     check_kind(kind)
     ps, d = config.page_size, config.head_dim
-    if not _power_of_two(ps):
+    if not is_power_of_two(ps):
         return f"page_size {ps} is not a power of two"
-    if not _power_of_two(d) or d < 2:
+    if not is_power_of_two(d) or d < 2:
         return f"head_dim {d} is not a power of two >= 2"
     if ps * d > MAX_TILE_ELEMENTS:
         return f"page_size * head_dim = {ps * d} exceeds {MAX_TILE_ELEMENTS} elements per tile"

@@ -154,9 +154,13 @@ def _kernel(*refs, chains, rotated, plain_heavy, rope, stage_loop, dtype, page_s
         rot = rotated and kind == "value"
         return reconstruct_tile(chains[kind][0], load, dtype, rotated=rot, interpret=interpret)
 
+    def sink_mask(i, width):
+        """bool [ps, width]: the rows of logical page i that are sink rows."""
+        return i * ps + lax.broadcasted_iota(jnp.int32, (ps, width), 0) < sink
+
     def sink_rows(kind, i, x):
         """(in_sink [ps, D], the raw sink rows there) of logical page i."""
-        in_sink = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d), 0) < sink
+        in_sink = sink_mask(i, d)
         # A masked load, no branch: past the sink pages every lane is masked (no memory
         # access). A lax.cond returning the tile kept both branches' tiles live: 0.5-20 KB
         # of register spills (docs/kernel_resources.md).
@@ -184,7 +188,7 @@ def _kernel(*refs, chains, rotated, plain_heavy, rope, stage_loop, dtype, page_s
         if not sink:
             return out
         _, rows_ = sink_rows("key", i, k)
-        in_sink = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d // 2), 0) < sink
+        in_sink = sink_mask(i, d // 2)
         return tuple(jnp.where(in_sink, r, a) for r, a in zip(halves(rows_), out, strict=True))
 
     def scores(k_parts):
@@ -233,8 +237,7 @@ def _kernel(*refs, chains, rotated, plain_heavy, rope, stage_loop, dtype, page_s
         v, v_plain = v if rotated else (v, None)
         v = with_sink("value", i, v)
         if plain_heavy and sink:  # sink rows are raw (rotated): no plain part
-            in_sink = i * ps + lax.broadcasted_iota(jnp.int32, (ps, d), 0) < sink
-            v_plain = jnp.where(in_sink, jnp.float32(0.0), v_plain)
+            v_plain = jnp.where(sink_mask(i, d), jnp.float32(0.0), v_plain)
         return attend(i, k_parts, v, v_plain, carry)
 
     def partial_page(carry):
@@ -325,7 +328,7 @@ def paged_decode_attention(
             "(config_support declines it; XLA path)"
         )
     rotated = v_rotated == {True}
-    plain_heavy = rotated and _tile_decode.heavy_layout(chains["value"][0][0][0]) is not None
+    plain_heavy = _plain_heavy(config, loop)
     v_stage, stage_loop = cache.v_stage, {"key": loop, "value": loop}
     if rotated:
         v_stage, stage_loop["value"] = rotate(v_stage[loop : loop + 1].astype(jnp.float32)), 0
@@ -395,13 +398,18 @@ def paged_decode_attention(
     return out.reshape(b, hq, d)
 
 
+def _plain_heavy(config, loop: int) -> bool:
+    """The value chain of loop `loop` starts with heavy rows over a rotated (HINT) format: the
+    kernel attends those rows, plain, into a second accumulator."""
+    first = config.loop_format("value", config.chain("value", loop)[0])
+    return _tile_decode.heavy_layout(first) is not None and rotated_format(first)
+
+
 def more_tiles(config, loop: int) -> bool:
     """True when the kernel keeps more than one K and one V tile per page for loop `loop` of
-    caches with `config`: a second value accumulator (the value chain starts with heavy rows
-    over a rotated format) or keys stored before RoPE (turned in halves)."""
-    first = config.loop_format("value", config.chain("value", loop)[0])
-    heavy = _tile_decode.heavy_layout(first)
-    return config.rope_theta is not None or (heavy is not None and rotated_format(first))
+    caches with `config`: a second value accumulator (`_plain_heavy`) or keys stored before
+    RoPE (turned in halves)."""
+    return config.rope_theta is not None or _plain_heavy(config, loop)
 
 
 def default_launch(config, group: int, loop: int) -> _launch.Launch:
