@@ -385,3 +385,34 @@ def test_calibrated_policy_takes_each_layers_table():
         cache.update(states, states, layer)
         fmt = cache.layers[layer].serving.policy.base_format
         assert fmt == kt.IntBCodec(get_key_tables("smollm2").table(layer)).name
+
+
+def test_heavy_row_policy_takes_its_layers_tables():
+    """ "intb-hint4-heavy-smollm2" on a config of SmolLM2's shape (tokens returned as
+    stored): layer 7's complete block comes back as the public heavy-row functions give it
+    with layer 7's tables (keys INTB of that layer's bit table with the row its mean-query
+    table chooses stored INT8, values HINT4 with the same rows); the open block raw."""
+    from transformers import LlamaConfig
+
+    from kvq_jax.core.calibration import get_key_tables
+    from kvq_torch_bridge import KVQCache
+
+    config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, hidden_size=576, vocab_size=64)  # fmt: skip
+    cache = KVQCache(config, policy="intb-hint4-heavy-smollm2", raw_new_tokens=False)
+    gen = torch.Generator().manual_seed(7)
+    k = (torch.randn(1, 3, 70, 64, generator=gen) * torch.linspace(0.2, 3, 64)).to(torch.bfloat16)
+    v = torch.randn(1, 3, 70, 64, generator=gen).to(torch.bfloat16)
+    got_k, got_v = cache.update(k, v, 7)
+    tables = get_key_tables("smollm2-heavy")
+    queries = tables.heavy_table("intb-hint4-heavy-smollm2", 7)
+    mq = torch.from_numpy(queries.view("int16")).view(torch.bfloat16)
+    kb, vb = (x[0, :, :BS].transpose(0, 1) for x in (k, v))  # [64, H, D]
+    rows = kt.select_heavy(kb, mq, group_size=64)
+    intb = kt.IntBCodec(tables.table(7)).name
+    want_k = kt.unpack_heavy(kt.pack_heavy(kb, rows, kind="key", format=intb))
+    want_v = kt.unpack_heavy(kt.pack_heavy(vb, rows, kind="value", format="hint4"))
+    assert torch.equal(got_k[0, :, :BS].transpose(0, 1), want_k)
+    assert torch.equal(got_v[0, :, :BS].transpose(0, 1), want_v)
+    assert torch.equal(got_k[0, :, BS:], k[0, :, BS:])  # the open block: raw
+    assert not torch.equal(got_k[0, :, :BS], k[0, :, :BS])  # quantized indeed

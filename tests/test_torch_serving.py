@@ -261,10 +261,11 @@ def test_kv_cache_dtype_names():
         allocate_kv_cache("int4-g64+win", 4, BS, H, D)
     with pytest.raises(ValueError, match=r"not served.*known: "):
         allocate_kv_cache("int5", 4, BS, H, D)
-    with pytest.raises(ValueError, match="this Torch cache has no heavy-row pages"):
-        allocate_kv_cache("kvq:intb-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0)
-    with pytest.raises(ValueError, match="this Torch cache has no heavy-row pages"):
+    with pytest.raises(ValueError, match="keys stored before RoPE need each token's position"):
         allocate_kv_cache("intb-prerope-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0)
+    base = allocate_kv_cache("kvq:intb-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0)
+    with pytest.raises(ValueError, match=r"previous: .* stores its later loops whole"):
+        allocate_kv_cache("kvq:intb-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0, previous=base)
     with pytest.raises(ValueError, match="num_blocks must be"):
         allocate_kv_cache("int4", 0, BS, H, D)
     with pytest.raises(ValueError, match="block_size 12"):  # token groups must divide a block

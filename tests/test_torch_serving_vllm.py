@@ -201,6 +201,91 @@ def test_calibrated_policy_per_layer_equals_kvq_jax(layer):
     torch.testing.assert_close(out[0], attention(q[0], kk, vv), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow),
+                                   torch.bfloat16], ids=str)  # fmt: skip
+def test_heavy_row_policy_equals_kvq_jax(dtype):
+    """kv_cache_dtype "kvq:intb-hint4-heavy-smollm2" at SmolLM2's layer 7 (keys INTB with a
+    heavy INT8 row per 64 tokens chosen by the layer's mean-query table, values HINT4 taking
+    the keys' rows): the formats are the ones kvq_jax's engine registers for that layer, the
+    complete blocks the bytes of kvq_jax's paged cache fed the same tokens, and decode
+    attention the dense reference over blocks decoded by the public heavy-row functions
+    (`select_heavy`, `pack_heavy`, `unpack_heavy`)."""
+    import kvq_torch_bridge as kt
+    from kvq_jax.codecs.formats.heavy_rows import register_heavy as jax_heavy
+    from kvq_jax.codecs.formats.intb import register_table as jax_register
+    from kvq_jax.core.calibration import get_key_tables
+    from kvq_jax.core.policies import POLICIES, per_layer_policies
+
+    layer, h, d, blocks = 7, 3, 64, 6
+    gen = torch.Generator().manual_seed(layer)
+    cache = allocate_kv_cache("kvq:intb-hint4-heavy-smollm2", blocks, BS, h, d, dtype=dtype,
+                              max_num_seqs=2, layer=layer)  # fmt: skip
+    policy = POLICIES["intb-hint4-heavy-smollm2"]
+    tables = get_key_tables(policy.key_tables)
+    (layer_policy,) = per_layer_policies(policy, tables, [layer], jax_register)
+    key_base, value_base = layer_policy.base_format, policy.formats("value")[0]  # INTB, HINT4
+    queries = np.asarray(tables.heavy_table(policy.name, layer))
+    jax_policy = layer_policy.with_heavy_formats(
+        jax_heavy(key_base, policy.heavy, queries),
+        jax_heavy(value_base, policy.heavy), num_loops=1,
+    )  # fmt: skip
+    config = cache_config_for(jax_policy, num_pages=blocks, page_size=BS, num_heads=h,
+                              head_dim=d, dtype=np.dtype(str(dtype).removeprefix("torch.")),
+                              num_loops=1, max_seqs=1)  # fmt: skip
+    assert (cache.config.k_base_format, cache.config.v_base_format) == (
+        config.k_base_format, config.v_base_format)  # fmt: skip
+    k = (torch.randn(150, h, d, generator=gen) * torch.linspace(0.2, 3, d)).to(dtype)
+    v = torch.randn(150, h, d, generator=gen).to(dtype)
+    table = [4, 1, 3]
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(150)])
+    reshape_and_cache(k[:70], v[:70], cache, slots[:70])  # block 4 whole, block 1 staged
+    reshape_and_cache(k[70:], v[70:], cache, slots[70:])  # block 1 completes, block 3 staged
+    jc = jax_cache.init_cache(config)
+    bt = jnp.asarray(np.asarray([table + [0] * 3], np.int32))
+    for a, b in ((0, 70), (70, 150)):
+        jc = jax_cache.append(jc, jnp.asarray(k[a:b].float().numpy(), config.dtype)[None],
+                              jnp.asarray(v[a:b].float().numpy(), config.dtype)[None],
+                              block_tables=bt, seq_ids=jnp.asarray([0], jnp.int32),
+                              loop=0)  # fmt: skip
+    for block in table[:2]:
+        for mine, theirs in ((cache.k_pages, jc.k_base), (cache.v_pages, jc.v_base)):
+            assert set(mine.arrays) == set(theirs.arrays)
+            for name, arr in mine.arrays.items():
+                want = np.asarray(theirs.arrays[name][block]).reshape(-1).view(np.uint8)
+                got = arr[block].reshape(-1).view(torch.uint8).numpy()
+                assert np.array_equal(got, want), (block, name)
+    # the dense reference: each complete block through the public heavy-row functions
+    mq = torch.from_numpy(queries.view(np.int16)).view(torch.bfloat16)
+    kk, vv = [], []
+    for start in range(0, 150, BS):
+        kb, vb = k[start : start + BS], v[start : start + BS]
+        if kb.shape[0] == BS:
+            rows = kt.select_heavy(kb, mq, group_size=64)
+            kb = kt.unpack_heavy(kt.pack_heavy(kb, rows, kind="key", format=key_base))
+            vb = kt.unpack_heavy(kt.pack_heavy(vb, rows, kind="value", format=value_base))
+        kk.append(kb)
+        vv.append(vb)
+    q = torch.randn(1, 9, d, generator=gen)
+    out = paged_attention_decode(q, cache, torch.tensor([table]), torch.tensor([150]))
+    want = attention(q[0], torch.cat(kk).float(), torch.cat(vv).float())
+    torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason="a planted defect must be caught")
+def test_heavy_comparison_catches_values_with_other_rows(monkeypatch):
+    """The byte check can fail: value blocks packed with rows other than their keys' (each
+    moved down one token) differ from kvq_jax's."""
+    from kvq_torch_bridge.serving import kv_cache
+
+    pack = kv_cache.pack_paged
+
+    def other_rows(pages, rows=None, **kw):
+        return pack(pages, rows=None if rows is None else (rows + 1) % 64, **kw)
+
+    monkeypatch.setattr(kv_cache, "pack_paged", other_rows)
+    test_heavy_row_policy_equals_kvq_jax(torch.bfloat16)
+
+
 def test_calibrated_policy_needs_its_layer():
     with pytest.raises(ValueError, match="layer: policy 'intb-hint4-smollm2' has per-layer"):
         allocate_kv_cache("kvq:intb-hint4-smollm2", 4, BS, 3, 64)

@@ -108,27 +108,43 @@ def pack_paged(
     format: str = "int4",
     group_size: int | None = None,
     axis: str | None = None,
+    rows: torch.Tensor | None = None,
 ) -> PackedKV:
     """Pack every page of torch `pages` [P, page_size, H, D] on its own; the bytes of
     `kvq_jax.pack_paged`. `group_size` defaults as in `kvq_jax.core.cache_config.resolve_paged`
-    (token-axis groups must divide page_size). Returns a `PackedKV` with a leading page axis.
+    (token-axis groups must divide page_size). `rows`: uint8 [P, page_size / G, H], each
+    page's heavy rows for a heavy-row format that takes them (values: those chosen from the
+    keys of the same tokens), else None. Returns a `PackedKV` with a leading page axis.
     Any registered format works (see the module doc for the vectorized paths).
     """
     num_pages, page_size, h, d = check_pages(pages)
     page_shape = (page_size, h, d)
     codec = get_codec(format)
     axis, group_size = resolve_paged(format, kind, page_shape, axis, group_size)
+    take_rows = {}
+    if rows is not None:
+        if not hasattr(codec, "heavy_group"):
+            raise ValueError(f"rows: format {format!r} stores no heavy rows; pass rows=None")
+        check_tensor(rows, "rows")
+        want = (num_pages, page_size // codec.heavy_group, h)
+        if tuple(rows.shape) != want or rows.dtype != torch.uint8:
+            raise ValueError(f"rows must be uint8 {list(want)} (pages, heavy groups per page, "
+                             f"H), got {rows.dtype} {list(rows.shape)}")  # fmt: skip
+        take_rows = {"rows": rows.reshape(-1, h)}
     if format == "nvfp4":
         return _pack_nvfp4_pages(pages, kind=kind, axis=axis, group_size=group_size)
     shapes = codec.array_shapes(page_shape, axis, group_size)
     if _flat(codec, page_shape, axis, group_size):
         # No group crosses a page and no state is per tensor: pack the flattened pages.
-        packed = codec.pack(
-            pages.reshape(num_pages * page_size, h, d), kind=kind, axis=axis, group_size=group_size
-        )
+        packed = codec.pack(pages.reshape(num_pages * page_size, h, d), kind=kind, axis=axis,
+                            group_size=group_size, **take_rows)  # fmt: skip
         arrays = {n: a.reshape(num_pages, *shapes[n][0]) for n, a in packed.arrays.items()}
     else:
-        each = [codec.pack(p, kind=kind, axis=axis, group_size=group_size).arrays for p in pages]
+        each = [
+            codec.pack(p, kind=kind, axis=axis, group_size=group_size,
+                       **({"rows": rows[i]} if take_rows else {})).arrays
+            for i, p in enumerate(pages)
+        ]  # fmt: skip
         arrays = {
             n: _stack([e[n] for e in each], shape, dt, pages.device)
             for n, (shape, dt) in shapes.items()

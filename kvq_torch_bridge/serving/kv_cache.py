@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
+from kvq_jax.core import registry
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.policies import POLICIES, Policy, cache_config_for, serving_support
 from kvq_torch_bridge.cache.paged import pack_paged, unpack_paged
@@ -81,15 +83,16 @@ REFUSED_DTYPES = {
 }
 
 
-#: why the Torch serving cache refuses a heavy-row policy the JAX paged cache serves
-HEAVY_REFUSAL = ("heavy rows are served by kvq_jax's paged cache and engine; this Torch cache "
-                 "has no heavy-row pages")  # fmt: skip
+#: why the Torch serving cache refuses a policy storing keys before RoPE (the JAX paged cache
+#: and engine serve it: they know each row's position)
+PRE_ROPE_REFUSAL = ("keys stored before RoPE need each token's position, and reshape_and_cache "
+                    "is given slots only; kvq_jax's paged cache and engine serve it")  # fmt: skip
 
 
 def _served_policies() -> dict[str, str]:
     names = {}
     for name, policy in POLICIES.items():
-        if not policy.quantized or policy.window is not None or policy.heavy is not None:
+        if not policy.quantized or policy.window is not None or policy.pre_rope:
             continue
         uniform = all(len(set(policy.loop_formats(kind, 4))) == 1 for kind in ("key", "value"))
         if uniform and serving_support(policy, num_loops=1).served:
@@ -122,8 +125,8 @@ def policy_for_kv_cache_dtype(kv_cache_dtype: str) -> Policy | None:
         why = ""
         if policy is not None and policy.window is not None:
             why = " (raw window rows need per-sequence state this slot-mapped cache does not keep)"
-        elif policy is not None and policy.heavy is not None:
-            why = f" ({HEAVY_REFUSAL})"
+        elif policy is not None and policy.pre_rope:
+            why = f" ({PRE_ROPE_REFUSAL})"
         elif policy is not None:
             why = f" ({serving_support(policy, num_loops=1).reason or 'not served here'})"
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not served{why}; known: "
@@ -206,7 +209,13 @@ class ServingKVCache:
 def _empty_pages(config: PagedCacheConfig, kind: str, device, role: str = "base") -> PackedKV:
     """Zero packed pages [num_pages, ...] with the arrays `pack_paged` gives one page."""
     zeros = torch.zeros((1, *config.page_shape), dtype=torch_dtype(config.dtype), device=device)
-    one = pack_paged(zeros, **config.pack_args(kind, role))
+    args = config.pack_args(kind, role)
+    layout = registry.layout(args["format"])
+    rows = None
+    if hasattr(layout, "heavy_group") and not layout.selects_rows:  # values take their rows
+        shape = (1, config.page_size // layout.heavy_group, config.num_heads)
+        rows = torch.zeros(shape, dtype=torch.uint8, device=device)
+    one = pack_paged(zeros, **args, rows=rows)
     arrays = {
         n: torch.zeros((config.num_pages, *a.shape[1:]), dtype=a.dtype, device=device)
         for n, a in one.arrays.items()
@@ -233,7 +242,9 @@ def allocate_kv_cache(
     rows of quantized formats). `previous`: the same layer's cache of the loop before, to
     store this loop as residual deltas against it (a quantized kv_cache_dtype, the same
     geometry, dtype and device). `layer`: the model layer, for a policy with per-layer key
-    tables (`intb-*`: that layer's INTB format; required there, ignored elsewhere).
+    tables (`intb-*`: that layer's INTB format and, for a heavy-row policy, its mean-query
+    table; required there, ignored elsewhere). A heavy-row policy (FORMAT.md 5a) stores each
+    loop whole (no `previous`): a block's keys choose its heavy rows, its values take them.
     ValueError / TypeError naming the argument."""
     policy = policy_for_kv_cache_dtype(kv_cache_dtype)
     if policy is not None and policy.key_tables is not None:
@@ -245,6 +256,10 @@ def allocate_kv_cache(
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"dtype must be torch.bfloat16, float16 or float32, got {dtype!r}")
     device = torch.device("cpu" if device is None else device)
+    if previous is not None and policy is not None and policy.absolute:
+        raise ValueError(f"previous: kv_cache_dtype {kv_cache_dtype!r} stores its later loops "
+                         "whole (heavy rows: each loop its own); allocate each loop's cache "
+                         "without previous")  # fmt: skip
     if previous is not None:
         _check_previous(previous, policy, kv_cache_dtype, num_blocks, block_size, num_kv_heads,
                         head_size, dtype, device)  # fmt: skip
@@ -304,7 +319,17 @@ def _layer_policy(policy: Policy, layer, num_kv_heads: int, head_size: int) -> P
         raise ValueError(f"layer: policy {policy.name!r}'s table of layer {layer} is for "
                          f"{shape} (num_kv_heads, head_size), not "
                          f"({num_kv_heads}, {head_size})")  # fmt: skip
-    return per_layer_policies(policy, tables, [layer], register_table)[0]
+    layer_policy = per_layer_policies(policy, tables, [layer], register_table)[0]
+    if policy.heavy is None:
+        return layer_policy
+    from kvq_torch_bridge.codecs.formats.heavy_rows import register_heavy
+
+    # the engine's formats for this layer (`kvq_jax.engine`'s `_heavy_policies`); two loops,
+    # as `cache_config_for` is called below (the second stored whole: no residual role)
+    key_format = register_heavy(layer_policy.base_format, policy.heavy,
+                                np.asarray(tables.heavy_table(policy.name, layer)))  # fmt: skip
+    value_format = register_heavy(policy.formats("value")[0], policy.heavy)
+    return layer_policy.with_heavy_formats(key_format, value_format, num_loops=2)
 
 
 def _check_previous(previous, policy, kv_cache_dtype, num_blocks, block_size, num_kv_heads,
@@ -484,10 +509,14 @@ def _reset_scratch(cache) -> None:
 def _store_pages(cache, k_pages: torch.Tensor, v_pages: torch.Tensor, blocks) -> None:
     """Pack [m, block_size, H, D] K / V pages and write them at `blocks` [m] (in place); a
     residual cache packs their deltas against loop - 1's reconstructed blocks."""
+    rows = None  # heavy rows: chosen by the key pages, taken by the value pages
     for kind, raw, pages in (("key", k_pages, cache.k_pages), ("value", v_pages, cache.v_pages)):
         if cache.previous is not None:
             raw = subtract_in_dtype(raw.to(cache.dtype), _decoded(cache.previous, kind, blocks))
-        packed = pack_paged(raw, **cache.config.pack_args(kind, cache.role))
+        args = cache.config.pack_args(kind, cache.role)
+        packed = pack_paged(raw, **args, rows=rows if kind == "value" else None)
+        if kind == "key" and "heavy_rows" in packed.arrays:
+            rows = packed.arrays["heavy_rows"]
         for name, arr in packed.arrays.items():
             pages.arrays[name][blocks] = arr
 
