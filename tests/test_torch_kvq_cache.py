@@ -387,30 +387,40 @@ def test_calibrated_policy_takes_each_layers_table():
         assert fmt == kt.IntBCodec(get_key_tables("smollm2").table(layer)).name
 
 
-def test_heavy_row_policy_takes_its_layers_tables():
-    """ "intb-hint4-heavy-smollm2" on a config of SmolLM2's shape (tokens returned as
-    stored): layer 7's complete block comes back as the public heavy-row functions give it
-    with layer 7's tables (keys INTB of that layer's bit table with the row its mean-query
-    table chooses stored INT8, values HINT4 with the same rows); the open block raw."""
+@pytest.mark.parametrize("name", ["intb-hint4-heavy-smollm2", "intb-prerope-hint4-heavy-smollm2"])
+def test_heavy_row_policy_takes_its_layers_tables(name):
+    """A heavy-row policy on a config of SmolLM2's shape (tokens returned as stored): layer
+    7's complete block comes back as the public functions give it with layer 7's tables
+    (keys INTB of that layer's bit table with the row its mean-query table chooses from the
+    keys as written stored INT8, values HINT4 with the same rows; the prerope policy's keys
+    stored with RoPE taken off at positions 0..63 and put back); the open block raw."""
     from transformers import LlamaConfig
 
     from kvq_jax.core.calibration import get_key_tables
+    from kvq_jax.core.policies import POLICIES
+    from kvq_jax.core.rope import rope_tables
     from kvq_torch_bridge import KVQCache
+    from kvq_torch_bridge.codecs.rope import apply_rope, invert_rope
 
     config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          head_dim=64, hidden_size=576, vocab_size=64)  # fmt: skip
-    cache = KVQCache(config, policy="intb-hint4-heavy-smollm2", raw_new_tokens=False)
+    cache = KVQCache(config, policy=name, raw_new_tokens=False)
     gen = torch.Generator().manual_seed(7)
     k = (torch.randn(1, 3, 70, 64, generator=gen) * torch.linspace(0.2, 3, 64)).to(torch.bfloat16)
     v = torch.randn(1, 3, 70, 64, generator=gen).to(torch.bfloat16)
     got_k, got_v = cache.update(k, v, 7)
-    tables = get_key_tables("smollm2-heavy")
-    queries = tables.heavy_table("intb-hint4-heavy-smollm2", 7)
+    policy = POLICIES[name]
+    tables = get_key_tables(policy.key_tables)
+    queries = tables.heavy_table(name, 7)
     mq = torch.from_numpy(queries.view("int16")).view(torch.bfloat16)
     kb, vb = (x[0, :, :BS].transpose(0, 1) for x in (k, v))  # [64, H, D]
     rows = kt.select_heavy(kb, mq, group_size=64)
     intb = kt.IntBCodec(tables.table(7)).name
-    want_k = kt.unpack_heavy(kt.pack_heavy(kb, rows, kind="key", format=intb))
+    turn = tuple(torch.from_numpy(a) for a in rope_tables(BS, 64, tables.rope_theta or 1.0))
+    stored = invert_rope(kb, *turn).to(torch.bfloat16) if policy.pre_rope else kb
+    want_k = kt.unpack_heavy(kt.pack_heavy(stored, rows, kind="key", format=intb))
+    if policy.pre_rope:
+        want_k = apply_rope(want_k, *turn).to(torch.bfloat16)
     want_v = kt.unpack_heavy(kt.pack_heavy(vb, rows, kind="value", format="hint4"))
     assert torch.equal(got_k[0, :, :BS].transpose(0, 1), want_k)
     assert torch.equal(got_v[0, :, :BS].transpose(0, 1), want_v)

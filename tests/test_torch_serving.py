@@ -261,8 +261,13 @@ def test_kv_cache_dtype_names():
         allocate_kv_cache("int4-g64+win", 4, BS, H, D)
     with pytest.raises(ValueError, match=r"not served.*known: "):
         allocate_kv_cache("int5", 4, BS, H, D)
-    with pytest.raises(ValueError, match="keys stored before RoPE need each token's position"):
-        allocate_kv_cache("intb-prerope-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0)
+    pre_rope = allocate_kv_cache("intb-prerope-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0)
+    rows = torch.zeros(2, 3, 64)
+    with pytest.raises(ValueError, match=r"positions: .* stores keys before RoPE"):
+        reshape_and_cache(rows, rows, pre_rope, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"positions must be \[2\]"):
+        reshape_and_cache(rows, rows, pre_rope, torch.tensor([0, 1]), torch.tensor([0]))
+    assert int(pre_rope.block_start.abs().sum()) == 0  # nothing written by a refused call
     base = allocate_kv_cache("kvq:intb-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0)
     with pytest.raises(ValueError, match=r"previous: .* stores its later loops whole"):
         allocate_kv_cache("kvq:intb-hint4-heavy-smollm2", 4, 64, 3, 64, layer=0, previous=base)

@@ -201,48 +201,60 @@ def test_calibrated_policy_per_layer_equals_kvq_jax(layer):
     torch.testing.assert_close(out[0], attention(q[0], kk, vv), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow),
-                                   torch.bfloat16], ids=str)  # fmt: skip
-def test_heavy_row_policy_equals_kvq_jax(dtype):
-    """kv_cache_dtype "kvq:intb-hint4-heavy-smollm2" at SmolLM2's layer 7 (keys INTB with a
-    heavy INT8 row per 64 tokens chosen by the layer's mean-query table, values HINT4 taking
-    the keys' rows): the formats are the ones kvq_jax's engine registers for that layer, the
-    complete blocks the bytes of kvq_jax's paged cache fed the same tokens, and decode
-    attention the dense reference over blocks decoded by the public heavy-row functions
-    (`select_heavy`, `pack_heavy`, `unpack_heavy`)."""
+HEAVY_CASES = [
+    ("intb-hint4-heavy-smollm2", torch.bfloat16),
+    pytest.param("intb-hint4-heavy-smollm2", torch.float32, marks=pytest.mark.slow),
+    ("intb-prerope-hint4-heavy-smollm2", torch.bfloat16),
+    pytest.param("intb-prerope-hint4-heavy-smollm2", torch.float32, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,dtype", HEAVY_CASES, ids=str)
+def test_heavy_row_policy_equals_kvq_jax(name, dtype):
+    """kv_cache_dtype "kvq:<name>" at SmolLM2's layer 7 (keys INTB with a heavy INT8 row per
+    64 tokens chosen by the layer's mean-query table, values HINT4 taking the keys' rows; the
+    prerope policy stores the keys with RoPE taken off at the positions passed): the formats
+    are the ones kvq_jax's engine registers for that layer, the complete blocks the bytes of
+    kvq_jax's paged cache fed the same tokens, and decode attention the dense reference over
+    blocks decoded by the public functions (`select_heavy` on the keys as written,
+    `pack_heavy` / `unpack_heavy`, and RoPE off and back on with `rope_tables`' numbers)."""
     import kvq_torch_bridge as kt
     from kvq_jax.codecs.formats.heavy_rows import register_heavy as jax_heavy
     from kvq_jax.codecs.formats.intb import register_table as jax_register
     from kvq_jax.core.calibration import get_key_tables
     from kvq_jax.core.policies import POLICIES, per_layer_policies
+    from kvq_jax.core.rope import rope_tables
+    from kvq_torch_bridge.codecs.rope import apply_rope, invert_rope
 
-    layer, h, d, blocks = 7, 3, 64, 6
+    layer, h, d, blocks, t = 7, 3, 64, 6, 150
     gen = torch.Generator().manual_seed(layer)
-    cache = allocate_kv_cache("kvq:intb-hint4-heavy-smollm2", blocks, BS, h, d, dtype=dtype,
-                              max_num_seqs=2, layer=layer)  # fmt: skip
-    policy = POLICIES["intb-hint4-heavy-smollm2"]
+    cache = allocate_kv_cache("kvq:" + name, blocks, BS, h, d, dtype=dtype, max_num_seqs=2,
+                              layer=layer)  # fmt: skip
+    policy = POLICIES[name]
     tables = get_key_tables(policy.key_tables)
     (layer_policy,) = per_layer_policies(policy, tables, [layer], jax_register)
     key_base, value_base = layer_policy.base_format, policy.formats("value")[0]  # INTB, HINT4
     queries = np.asarray(tables.heavy_table(policy.name, layer))
     jax_policy = layer_policy.with_heavy_formats(
         jax_heavy(key_base, policy.heavy, queries),
-        jax_heavy(value_base, policy.heavy), num_loops=1,
+        jax_heavy(value_base, policy.heavy), num_loops=1, rope_theta=tables.rope_theta,
     )  # fmt: skip
     config = cache_config_for(jax_policy, num_pages=blocks, page_size=BS, num_heads=h,
                               head_dim=d, dtype=np.dtype(str(dtype).removeprefix("torch.")),
                               num_loops=1, max_seqs=1)  # fmt: skip
-    assert (cache.config.k_base_format, cache.config.v_base_format) == (
-        config.k_base_format, config.v_base_format)  # fmt: skip
-    k = (torch.randn(150, h, d, generator=gen) * torch.linspace(0.2, 3, d)).to(dtype)
-    v = torch.randn(150, h, d, generator=gen).to(dtype)
+    assert (cache.config.k_base_format, cache.config.v_base_format, cache.config.rope_theta) == (
+        config.k_base_format, config.v_base_format, config.rope_theta)  # fmt: skip
+    assert (config.rope_theta is not None) == policy.pre_rope
+    k = (torch.randn(t, h, d, generator=gen) * torch.linspace(0.2, 3, d)).to(dtype)
+    v = torch.randn(t, h, d, generator=gen).to(dtype)
     table = [4, 1, 3]
-    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(150)])
-    reshape_and_cache(k[:70], v[:70], cache, slots[:70])  # block 4 whole, block 1 staged
-    reshape_and_cache(k[70:], v[70:], cache, slots[70:])  # block 1 completes, block 3 staged
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(t)])
+    positions = torch.arange(t)
+    for a, b in ((0, 70), (70, t)):  # block 4 whole, block 1 staged; block 1 completes
+        reshape_and_cache(k[a:b], v[a:b], cache, slots[a:b], positions[a:b])
     jc = jax_cache.init_cache(config)
     bt = jnp.asarray(np.asarray([table + [0] * 3], np.int32))
-    for a, b in ((0, 70), (70, 150)):
+    for a, b in ((0, 70), (70, t)):
         jc = jax_cache.append(jc, jnp.asarray(k[a:b].float().numpy(), config.dtype)[None],
                               jnp.asarray(v[a:b].float().numpy(), config.dtype)[None],
                               block_tables=bt, seq_ids=jnp.asarray([0], jnp.int32),
@@ -250,23 +262,29 @@ def test_heavy_row_policy_equals_kvq_jax(dtype):
     for block in table[:2]:
         for mine, theirs in ((cache.k_pages, jc.k_base), (cache.v_pages, jc.v_base)):
             assert set(mine.arrays) == set(theirs.arrays)
-            for name, arr in mine.arrays.items():
-                want = np.asarray(theirs.arrays[name][block]).reshape(-1).view(np.uint8)
+            for array, arr in mine.arrays.items():
+                want = np.asarray(theirs.arrays[array][block]).reshape(-1).view(np.uint8)
                 got = arr[block].reshape(-1).view(torch.uint8).numpy()
-                assert np.array_equal(got, want), (block, name)
-    # the dense reference: each complete block through the public heavy-row functions
+                assert np.array_equal(got, want), (block, array)
+    # the dense reference: each complete block through the public functions
     mq = torch.from_numpy(queries.view(np.int16)).view(torch.bfloat16)
+    cos, sin = (torch.from_numpy(x) for x in rope_tables(t, d, tables.rope_theta or 1.0))
     kk, vv = [], []
-    for start in range(0, 150, BS):
+    for start in range(0, t, BS):
         kb, vb = k[start : start + BS], v[start : start + BS]
         if kb.shape[0] == BS:
-            rows = kt.select_heavy(kb, mq, group_size=64)
+            rows = kt.select_heavy(kb, mq, group_size=64)  # from the keys as written
+            turn = (cos[start : start + BS], sin[start : start + BS])
+            if policy.pre_rope:
+                kb = invert_rope(kb, *turn).to(dtype)
             kb = kt.unpack_heavy(kt.pack_heavy(kb, rows, kind="key", format=key_base))
+            if policy.pre_rope:
+                kb = apply_rope(kb, *turn).to(dtype)
             vb = kt.unpack_heavy(kt.pack_heavy(vb, rows, kind="value", format=value_base))
         kk.append(kb)
         vv.append(vb)
     q = torch.randn(1, 9, d, generator=gen)
-    out = paged_attention_decode(q, cache, torch.tensor([table]), torch.tensor([150]))
+    out = paged_attention_decode(q, cache, torch.tensor([table]), torch.tensor([t]))
     want = attention(q[0], torch.cat(kk).float(), torch.cat(vv).float())
     torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
 
@@ -283,7 +301,18 @@ def test_heavy_comparison_catches_values_with_other_rows(monkeypatch):
         return pack(pages, rows=None if rows is None else (rows + 1) % 64, **kw)
 
     monkeypatch.setattr(kv_cache, "pack_paged", other_rows)
-    test_heavy_row_policy_equals_kvq_jax(torch.bfloat16)
+    test_heavy_row_policy_equals_kvq_jax("intb-hint4-heavy-smollm2", torch.bfloat16)
+
+
+@pytest.mark.xfail(strict=True, reason="a planted defect must be caught")
+def test_prerope_comparison_catches_rope_one_position_late(monkeypatch):
+    """The byte check can fail: RoPE taken off one position late (a planted defect in the
+    serving cache's tables) changes the stored keys."""
+    from kvq_torch_bridge.serving import kv_cache
+
+    rope_at = kv_cache.rope_at
+    monkeypatch.setattr(kv_cache, "rope_at", lambda pos, d, theta: rope_at(pos + 1, d, theta))
+    test_heavy_row_policy_equals_kvq_jax("intb-prerope-hint4-heavy-smollm2", torch.bfloat16)
 
 
 def test_calibrated_policy_needs_its_layer():

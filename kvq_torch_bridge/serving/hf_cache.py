@@ -51,13 +51,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvq_jax.core.policies import POLICIES
-from kvq_torch_bridge.cache.paged import unpack_paged
 from kvq_torch_bridge.serving.kv_cache import (
     KV_CACHE_DTYPES,
     KVQ_PREFIX,
     REFUSED_DTYPES,
     ServingKVCache,
     allocate_kv_cache,
+    decode_blocks,
     policy_for_kv_cache_dtype,
     read_blocks,
     reshape_and_cache,
@@ -348,7 +348,8 @@ class KVQLayer(CacheLayerMixin):
             slots = ((pos // bs)[None, :] * b + seq) * bs + pos % bs  # [B, hi - lo]
             k = key_states[:, :, lo:hi].transpose(1, 2).reshape(b * (hi - lo), h, d)
             v = value_states[:, :, lo:hi].transpose(1, 2).reshape(b * (hi - lo), h, d)
-            reshape_and_cache(k, v, self.serving, slots.reshape(-1))
+            positions = pos.expand(b, -1).reshape(-1)  # used by caches of pre-RoPE keys
+            reshape_and_cache(k, v, self.serving, slots.reshape(-1), positions)
         sink = self.spec.sink
         if sink and start < sink:
             n = min(sink, start + t) - start
@@ -371,16 +372,12 @@ class KVQLayer(CacheLayerMixin):
     @torch.no_grad()
     def _decode(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, M * block_size, H, D] (the cache's row dtype) of the packed blocks
-        `table` [B, M], decoded with `unpack_paged` (kvq's page decode)."""
+        `table` [B, M], decoded as the serving cache reads them (`decode_blocks`)."""
         s = self.serving
         b, m = table.shape
-        flat = table.reshape(-1)
-        out = []
-        for pages in (s.k_pages, s.v_pages):
-            picked = dataclasses.replace(pages, **{n: a[flat] for n, a in pages.arrays.items()})
-            rows = unpack_paged(picked, s.config.dtype).to(s.dtype)
-            out.append(rows.reshape(b, m * s.block_size, s.num_kv_heads, s.head_size))
-        return out[0], out[1]
+        shape = (b, m * s.block_size, s.num_kv_heads, s.head_size)
+        k, v = decode_blocks(s, table.reshape(-1))
+        return k.reshape(shape), v.reshape(shape)
 
     @torch.no_grad()
     def _complete(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,8 @@ from kvq_torch_bridge.cache.paged import pack_paged, unpack_paged
 from kvq_torch_bridge.codecs._dtypes import numpy_dtype, torch_dtype
 from kvq_torch_bridge.codecs._numerics import add_in_dtype, subtract_in_dtype
 from kvq_torch_bridge.codecs.packed import PackedKV
+from kvq_torch_bridge.codecs.registry import get_codec
+from kvq_torch_bridge.codecs.rope import apply_rope, invert_rope, rope_at
 
 __all__ = [
     "KVQ_PREFIX",
@@ -58,6 +60,7 @@ __all__ = [
     "ServingKVCache",
     "allocate_kv_cache",
     "check_slot_mapping",
+    "decode_blocks",
     "policy_for_kv_cache_dtype",
     "read_blocks",
     "reshape_and_cache",
@@ -83,16 +86,10 @@ REFUSED_DTYPES = {
 }
 
 
-#: why the Torch serving cache refuses a policy storing keys before RoPE (the JAX paged cache
-#: and engine serve it: they know each row's position)
-PRE_ROPE_REFUSAL = ("keys stored before RoPE need each token's position, and reshape_and_cache "
-                    "is given slots only; kvq_jax's paged cache and engine serve it")  # fmt: skip
-
-
 def _served_policies() -> dict[str, str]:
     names = {}
     for name, policy in POLICIES.items():
-        if not policy.quantized or policy.window is not None or policy.pre_rope:
+        if not policy.quantized or policy.window is not None:
             continue
         uniform = all(len(set(policy.loop_formats(kind, 4))) == 1 for kind in ("key", "value"))
         if uniform and serving_support(policy, num_loops=1).served:
@@ -125,8 +122,6 @@ def policy_for_kv_cache_dtype(kv_cache_dtype: str) -> Policy | None:
         why = ""
         if policy is not None and policy.window is not None:
             why = " (raw window rows need per-sequence state this slot-mapped cache does not keep)"
-        elif policy is not None and policy.pre_rope:
-            why = f" ({PRE_ROPE_REFUSAL})"
         elif policy is not None:
             why = f" ({serving_support(policy, num_loops=1).reason or 'not served here'})"
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not served{why}; known: "
@@ -149,9 +144,11 @@ class ServingKVCache:
     int64 [max_num_seqs + 1] (the block a staging row holds, -1 free), `block_stage` int64
     [num_blocks + 1] (a block's staging row, -1 none), `stage_count` int64 [max_num_seqs + 1]
     (rows written), `overflow` int64 [] (tokens dropped on CUDA because more than max_num_seqs
-    blocks were open; on the CPU that is a ValueError). The last entry of each is a scratch
-    entry for padded tokens. previous: loop - 1's cache when this one stores residual deltas
-    against it (not owned: not in `tensors()`); loop: its loop index (0 without previous)."""
+    blocks were open; on the CPU that is a ValueError), `block_start` int64 [num_blocks + 1]
+    (keys stored before RoPE: the position of each block's first row). The last entry of each
+    is a scratch entry for padded tokens. previous: loop - 1's cache when this one stores
+    residual deltas against it (not owned: not in `tensors()`); loop: its loop index (0
+    without previous)."""
 
     kv_cache_dtype: str
     policy: Policy | None
@@ -172,6 +169,7 @@ class ServingKVCache:
     block_stage: torch.Tensor | None = None
     stage_count: torch.Tensor | None = None
     overflow: torch.Tensor | None = None
+    block_start: torch.Tensor | None = None
     previous: ServingKVCache | None = None
     loop: int = 0
 
@@ -192,7 +190,7 @@ class ServingKVCache:
         """Every tensor the cache owns, by name (packed pages as `k_pages.codes`, ...)."""
         out = {}
         for name in ("key_cache", "value_cache", "k_stage", "v_stage", "stage_block",
-                     "block_stage", "stage_count", "overflow"):  # fmt: skip
+                     "block_stage", "stage_count", "overflow", "block_start"):  # fmt: skip
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         for name in ("k_pages", "v_pages"):
@@ -244,7 +242,8 @@ def allocate_kv_cache(
     geometry, dtype and device). `layer`: the model layer, for a policy with per-layer key
     tables (`intb-*`: that layer's INTB format and, for a heavy-row policy, its mean-query
     table; required there, ignored elsewhere). A heavy-row policy (FORMAT.md 5a) stores each
-    loop whole (no `previous`): a block's keys choose its heavy rows, its values take them.
+    loop whole (no `previous`): a block's keys choose its heavy rows, its values take them;
+    one storing keys before RoPE (FORMAT.md 5b) needs `positions` in `reshape_and_cache`.
     ValueError / TypeError naming the argument."""
     policy = policy_for_kv_cache_dtype(kv_cache_dtype)
     if policy is not None and policy.key_tables is not None:
@@ -295,6 +294,8 @@ def allocate_kv_cache(
         block_stage=torch.full((num_blocks + 1,), -1, dtype=torch.int64, device=device),
         stage_count=torch.zeros((max_num_seqs + 1,), dtype=torch.int64, device=device),
         overflow=torch.zeros((), dtype=torch.int64, device=device),
+        block_start=(None if config.rope_theta is None
+                     else torch.zeros((num_blocks + 1,), dtype=torch.int64, device=device)),
         previous=previous, loop=0 if previous is None else previous.loop + 1,
     )  # fmt: skip
 
@@ -329,7 +330,8 @@ def _layer_policy(policy: Policy, layer, num_kv_heads: int, head_size: int) -> P
     key_format = register_heavy(layer_policy.base_format, policy.heavy,
                                 np.asarray(tables.heavy_table(policy.name, layer)))  # fmt: skip
     value_format = register_heavy(policy.formats("value")[0], policy.heavy)
-    return layer_policy.with_heavy_formats(key_format, value_format, num_loops=2)
+    return layer_policy.with_heavy_formats(key_format, value_format, num_loops=2,
+                                           rope_theta=layer_policy.rope_theta)  # fmt: skip
 
 
 def _check_previous(previous, policy, kv_cache_dtype, num_blocks, block_size, num_kv_heads,
@@ -406,23 +408,49 @@ def check_slot_mapping(cache: ServingKVCache, slot_mapping, num_tokens: int) -> 
     return slot_mapping.to(torch.int64)
 
 
+def _check_positions(cache: ServingKVCache, positions, num_tokens: int):
+    """int64 [num_tokens] positions of the tokens for a cache storing keys before RoPE (a
+    ValueError naming `positions` when missing or malformed); None for other caches (whatever
+    was passed: vLLM hands positions to every layer)."""
+    if cache.block_start is None:
+        return None
+    if positions is None:
+        raise ValueError(
+            f"positions: kv_cache_dtype {cache.kv_cache_dtype!r} stores keys "
+            "before RoPE; pass each token's position (int64 [num_tokens])"
+        )
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"positions must be an int64 torch.Tensor, got "
+                        f"{getattr(positions, 'dtype', type(positions).__name__)}")  # fmt: skip
+    if tuple(positions.shape) != (num_tokens,) or positions.device != cache.device:
+        raise ValueError(f"positions must be [{num_tokens}] on {cache.device}, got "
+                         f"{tuple(positions.shape)} on {positions.device}")  # fmt: skip
+    return positions.to(torch.int64)
+
+
 @torch.no_grad()
-def reshape_and_cache(key, value, cache: ServingKVCache, slot_mapping) -> None:
+def reshape_and_cache(key, value, cache: ServingKVCache, slot_mapping, positions=None) -> None:
     """Write key / value [num_tokens, num_kv_heads, head_size] at `slot_mapping` (int64
     [num_tokens]; slot = block * block_size + offset, -1 skipped), in place: no tensor of the
     cache is reallocated, nothing is read back to the host (CUDA). Tokens of many sequences in
     one call, blocks in any order; within a block, offsets in order across calls. Quantized
-    formats pack a block when its last offset is written, with kvq's page bytes."""
+    formats pack a block when its last offset is written, with kvq's page bytes. `positions`
+    (int64 [num_tokens], the tokens' positions in their sequences, what RoPE turned them by):
+    required by a cache storing keys before RoPE (FORMAT.md 5b), which packs a block with RoPE
+    taken off at its rows' positions and puts it back when reading; ignored by the others."""
     cache = _check_cache(cache)
     n = _check_tokens("key", key, cache).shape[0]
     _check_tokens("value", value, cache, n)
     slots = check_slot_mapping(cache, slot_mapping, n)
+    positions = _check_positions(cache, positions, n)
     if n == 0:
         return
     bs = cache.block_size
     valid = slots >= 0
     block = torch.where(valid, slots // bs, cache.num_blocks)  # padded -> the scratch block
     offset = torch.where(valid, slots % bs, 0)
+    if positions is not None:  # every row of a block agrees on its first row's position
+        cache.block_start.index_put_((block,), positions - offset)
     if not cache.quantized:
         cache.key_cache[block, offset] = key.to(cache.key_cache.dtype)
         cache.value_cache[block, offset] = value.to(cache.value_cache.dtype)
@@ -509,16 +537,37 @@ def _reset_scratch(cache) -> None:
 def _store_pages(cache, k_pages: torch.Tensor, v_pages: torch.Tensor, blocks) -> None:
     """Pack [m, block_size, H, D] K / V pages and write them at `blocks` [m] (in place); a
     residual cache packs their deltas against loop - 1's reconstructed blocks."""
-    rows = None  # heavy rows: chosen by the key pages, taken by the value pages
+    rows = _heavy_rows(cache, k_pages)  # chosen by the keys (RoPE'd), taken by the values
+    rope = _block_rope(cache, blocks)
+    if rope is not None:  # keys stored before RoPE: taken off at the rows' positions
+        k_pages = invert_rope(k_pages, *rope).to(cache.dtype)
     for kind, raw, pages in (("key", k_pages, cache.k_pages), ("value", v_pages, cache.v_pages)):
         if cache.previous is not None:
             raw = subtract_in_dtype(raw.to(cache.dtype), _decoded(cache.previous, kind, blocks))
-        args = cache.config.pack_args(kind, cache.role)
-        packed = pack_paged(raw, **args, rows=rows if kind == "value" else None)
-        if kind == "key" and "heavy_rows" in packed.arrays:
-            rows = packed.arrays["heavy_rows"]
+        packed = pack_paged(raw, **cache.config.pack_args(kind, cache.role), rows=rows)
         for name, arr in packed.arrays.items():
             pages.arrays[name][blocks] = arr
+
+
+def _heavy_rows(cache, k_pages: torch.Tensor):
+    """uint8 [m, block_size / G, H]: the heavy rows the keys' format chooses for key pages
+    [m, block_size, H, D] (as written: after RoPE), which the values take; None for formats
+    without heavy rows."""
+    codec = get_codec(cache.config.pack_args("key", cache.role)["format"])
+    if not getattr(codec, "selects_rows", False):
+        return None
+    m, bs, h, d = k_pages.shape
+    rows = codec.select_rows(k_pages.reshape(m * bs, h, d))  # groups never span a block
+    return rows.reshape(m, bs // codec.heavy_group, h)
+
+
+def _block_rope(cache, blocks: torch.Tensor):
+    """(cos, sin) float32 [m, block_size, 1, D] of the rows of `blocks` [m] (their first row's
+    position, `block_start`, onwards) for a cache storing keys before RoPE, else None."""
+    if cache.block_start is None:
+        return None
+    pos = cache.block_start[blocks][:, None] + torch.arange(cache.block_size, device=blocks.device)
+    return rope_at(pos, cache.head_size, cache.config.rope_theta)
 
 
 def _bound(flags: torch.Tensor, bound: int) -> int:
@@ -580,9 +629,20 @@ def read_blocks(cache: ServingKVCache, block_tables: torch.Tensor) -> tuple[torc
         rows = cache.block_stage[flat]
         open_ = (rows >= 0)[:, None, None, None]
         rows = rows.clamp(min=0)
-        k, v = (torch.where(open_, stage[rows], _decoded(cache, kind, flat))
-                for kind, stage in (("key", cache.k_stage), ("value", cache.v_stage)))  # fmt: skip
+        pairs = zip(decode_blocks(cache, flat), (cache.k_stage, cache.v_stage), strict=True)
+        k, v = (torch.where(open_, stage[rows], decoded) for decoded, stage in pairs)
     return k.reshape(b, m * bs, h, d), v.reshape(b, m * bs, h, d)
+
+
+def decode_blocks(cache: ServingKVCache, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """K and V [m, block_size, H, D] in the cache's row dtype of packed blocks `blocks` [m]:
+    decoded through the residual chain, keys stored before RoPE turned back at their rows'
+    positions (FORMAT.md 5b)."""
+    k, v = (_decoded(cache, kind, blocks) for kind in ("key", "value"))
+    rope = _block_rope(cache, blocks)
+    if rope is not None:
+        k = apply_rope(k, *rope).to(cache.dtype)
+    return k, v
 
 
 def _decoded(cache: ServingKVCache, kind: str, blocks: torch.Tensor) -> torch.Tensor:
