@@ -115,3 +115,28 @@ def rotated_space_atol(cache, loop: int, values, base: float = 1e-5) -> float:
     return base + (loop + 1) * float(np.finfo(dtype).eps) * float(
         np.abs(np.asarray(values, np.float32)).max()
     )
+
+
+def step_compiles(run) -> list[str]:
+    """The engine step programs (`prefill_step`, `decode_step`) XLA compiles while `run()`
+    runs, in order, from JAX's compile log."""
+    import logging
+
+    import jax
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if "Finished XLA compilation" in text:
+                seen.extend(n for n in ("prefill_step", "decode_step") if f"jit({n})" in text)
+
+    handler, logger = Catch(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            run()
+    finally:
+        logger.removeHandler(handler)
+    return seen

@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import step_compiles
 
 from kvq_jax.cli.commands import main
 from kvq_jax.core import calibration
@@ -49,10 +50,14 @@ def test_generate_uses_the_tables(tables, capsys, tmp_path):
     assert main(["generate", "--model", "looped-tiny", "--policy", "intb-hint4-smollm2",
                  "--prompt-ids", "5,6,7", "--max-new-tokens", "3"]) == 2  # fmt: skip
     assert "its key tables are for" in capsys.readouterr().err
-    # ... its own, calibrated here, are served
-    assert main(["generate", "--model", "looped-tiny", "--policy", "intb-hint4-smollm2",
-                 "--tables", str(path), "--prompt-ids", "5,6,7", "--max-new-tokens", "3",
-                 "--json", str(tmp_path / "g.json")]) == 0  # fmt: skip
+    # ... its own, calibrated here, are served; the warm-up compiles each step program
+    # once (the prompt's two chunk shapes and the decode step) and the run none again
+    args = ["generate", "--model", "looped-tiny", "--policy", "intb-hint4-smollm2", "--tables",
+            str(path), "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--json",
+            str(tmp_path / "g.json")]  # fmt: skip
+    rc = []
+    compiled = step_compiles(lambda: rc.append(main(args)))
+    assert rc == [0] and compiled == ["prefill_step", "prefill_step", "decode_step"], compiled
     run = json.loads((tmp_path / "g.json").read_text())["runs"][0]
     assert run["policy"] == "intb-hint4@lt"
     # a policy that takes no tables

@@ -868,10 +868,13 @@ class Engine:
         )
         shapes = sorted(set(self.prefill_chunks(prompt_len)))
         t0 = time.perf_counter()
+        # the arguments `prefill` passes, positionally (a missing trailing argument would be
+        # another jit signature: the run would compile again)
+        scratch_ids = None if scratch_tables is None else i32((1,), jnp.int32)
         for t in shapes:
             prefill_step.lower(
                 self.params, self.stores, self.scratch, i32((1, t), jnp.int32),
-                i32((1,), jnp.int32), tables, i32((1,), jnp.int32), scratch_tables,
+                i32((1,), jnp.int32), tables, i32((1,), jnp.int32), scratch_tables, scratch_ids,
                 spec=self.spec,
             ).compile()  # fmt: skip
         t1 = time.perf_counter()
