@@ -420,7 +420,7 @@ def _check_positions(cache: ServingKVCache, positions, num_tokens: int):
             "before RoPE; pass each token's position (int64 [num_tokens])"
         )
     if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"positions must be an int64 torch.Tensor, got "
+        raise TypeError(f"positions must be an int32 / int64 torch.Tensor, got "
                         f"{getattr(positions, 'dtype', type(positions).__name__)}")  # fmt: skip
     if tuple(positions.shape) != (num_tokens,) or positions.device != cache.device:
         raise ValueError(f"positions must be [{num_tokens}] on {cache.device}, got "
