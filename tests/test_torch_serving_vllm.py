@@ -7,6 +7,7 @@ padded (-1) slots, several steps. Outputs against dense float32 attention over t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax.numpy as jnp
 import numpy as np
@@ -157,6 +158,26 @@ def test_pages_equal_kvq_jax_paged_cache(kv_cache_dtype):
     assert checked == 3  # one complete block per sequence in this schedule
 
 
+def assert_blocks_equal_kvq_jax(cache, config, k, v, table, cuts):
+    """Feed kvq_jax's paged cache (`config`, one sequence on block table `table`) the chunks
+    [cuts[i], cuts[i + 1]) of k, v [T, H, D] that `cache` was fed: every complete block of
+    `cache` holds the same arrays with the same bytes."""
+    jc = jax_cache.init_cache(config)
+    bt = jnp.asarray(np.asarray([table + [0] * (config.num_pages - len(table))], np.int32))
+    for a, b in itertools.pairwise(cuts):
+        jc = jax_cache.append(jc, jnp.asarray(k[a:b].float().numpy(), config.dtype)[None],
+                              jnp.asarray(v[a:b].float().numpy(), config.dtype)[None],
+                              block_tables=bt, seq_ids=jnp.asarray([0], jnp.int32),
+                              loop=0)  # fmt: skip
+    for block in table[: cuts[-1] // BS]:
+        for mine, theirs in ((cache.k_pages, jc.k_base), (cache.v_pages, jc.v_base)):
+            assert set(mine.arrays) == set(theirs.arrays)
+            for name, arr in mine.arrays.items():
+                want = np.asarray(theirs.arrays[name][block]).reshape(-1).view(np.uint8)
+                got = arr[block].reshape(-1).view(torch.uint8).numpy()
+                assert np.array_equal(got, want), (block, name)
+
+
 @pytest.mark.parametrize("layer", [2, 15])
 def test_calibrated_policy_per_layer_equals_kvq_jax(layer):
     """kv_cache_dtype "kvq:intb-hint4-smollm2" (keys INTB with SmolLM2's table of the given
@@ -182,18 +203,7 @@ def test_calibrated_policy_per_layer_equals_kvq_jax(layer):
     reshape_and_cache(k[70:], v[70:], cache, slots[70:])  # block 1 completes, block 3 staged
     config = cache_config_for(jax_policy, num_pages=blocks, page_size=BS, num_heads=h,
                               head_dim=d, dtype="bfloat16", num_loops=1, max_seqs=1)  # fmt: skip
-    jc = jax_cache.init_cache(config)
-    bt = jnp.asarray(np.asarray([table + [0] * 3], np.int32))
-    for a, b in ((0, 70), (70, 150)):
-        jc = jax_cache.append(jc, jnp.asarray(k[a:b].float().numpy(), jnp.bfloat16)[None],
-                              jnp.asarray(v[a:b].float().numpy(), jnp.bfloat16)[None],
-                              block_tables=bt, seq_ids=jnp.asarray([0], jnp.int32),
-                              loop=0)  # fmt: skip
-    for block in table[:2]:
-        for mine, theirs in ((cache.k_pages, jc.k_base), (cache.v_pages, jc.v_base)):
-            for name, arr in mine.arrays.items():
-                want = np.asarray(theirs.arrays[name][block]).reshape(-1).view(np.uint8)
-                assert np.array_equal(arr[block].reshape(-1).view(torch.uint8).numpy(), want)
+    assert_blocks_equal_kvq_jax(cache, config, k, v, table, (0, 70, 150))
     # decode attention reads what it stored: the dense reference over the decoded blocks
     q = torch.randn(1, 9, d, generator=gen)
     out = paged_attention_decode(q, cache, torch.tensor([table]), torch.tensor([150]))
@@ -252,20 +262,7 @@ def test_heavy_row_policy_equals_kvq_jax(name, dtype):
     positions = torch.arange(t)
     for a, b in ((0, 70), (70, t)):  # block 4 whole, block 1 staged; block 1 completes
         reshape_and_cache(k[a:b], v[a:b], cache, slots[a:b], positions[a:b])
-    jc = jax_cache.init_cache(config)
-    bt = jnp.asarray(np.asarray([table + [0] * 3], np.int32))
-    for a, b in ((0, 70), (70, t)):
-        jc = jax_cache.append(jc, jnp.asarray(k[a:b].float().numpy(), config.dtype)[None],
-                              jnp.asarray(v[a:b].float().numpy(), config.dtype)[None],
-                              block_tables=bt, seq_ids=jnp.asarray([0], jnp.int32),
-                              loop=0)  # fmt: skip
-    for block in table[:2]:
-        for mine, theirs in ((cache.k_pages, jc.k_base), (cache.v_pages, jc.v_base)):
-            assert set(mine.arrays) == set(theirs.arrays)
-            for array, arr in mine.arrays.items():
-                want = np.asarray(theirs.arrays[array][block]).reshape(-1).view(np.uint8)
-                got = arr[block].reshape(-1).view(torch.uint8).numpy()
-                assert np.array_equal(got, want), (block, array)
+    assert_blocks_equal_kvq_jax(cache, config, k, v, table, (0, 70, t))
     # the dense reference: each complete block through the public functions
     mq = torch.from_numpy(queries.view(np.int16)).view(torch.bfloat16)
     cos, sin = (torch.from_numpy(x) for x in rope_tables(t, d, tables.rope_theta or 1.0))

@@ -10,13 +10,12 @@ and `HEAVY_FIELDS` for the INT8 heavy rows.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kvq_jax.core.codec_base import layer_arg
 from kvq_jax.core.heavy import check_heavy_rows
 from kvq_jax.core.layouts import HEAVY_FIELDS, HeavyLayout
-from kvq_torch_bridge.codecs._dtypes import meta
+from kvq_torch_bridge.codecs._dtypes import from_numpy, meta
 from kvq_torch_bridge.codecs.codec import Codec
 from kvq_torch_bridge.codecs.packed import PackedKV
 
@@ -45,8 +44,7 @@ class HeavyCodec(HeavyLayout, Codec):
                     f"({table.shape[0]}); pass the layer (an int), got {layer!r}"
                 )
             table = table[layer]
-        bits = np.ascontiguousarray(table).view(np.int16)
-        return torch.from_numpy(bits).view(torch.bfloat16).to(device)
+        return from_numpy(table, device)
 
     def select_rows(self, keys: torch.Tensor, layer=None) -> torch.Tensor:
         """uint8 [ceil(T/G), H]: the heavy row of each group of keys [T, H, D] (FORMAT.md 5a)
