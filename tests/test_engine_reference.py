@@ -154,7 +154,7 @@ def test_the_best_policy_through_the_kernels_matches_the_reference(monkeypatch):
     """The served best policy's formats (heavy rows over INTB keys and HINT4 values, keys
     stored before RoPE) on 2-loop Ouro with backend "auto" resolved as on a GPU (each op's
     kernel where its `config_support` takes the cache, here in interpret mode; the XLA path
-    elsewhere: page packing of these formats, page reconstruction of HINT rows): 16 decode
+    elsewhere: page packing of these formats): 16 decode
     steps against the page-by-page reference, and decode attention ran in the kernel."""
     from kvq_jax.kernels import backend
     from kvq_jax.kernels.page_reconstruct import api as reconstruct_api

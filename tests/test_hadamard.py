@@ -334,9 +334,9 @@ def test_bad_arguments_name_the_argument(fmt, shape, kwargs, error, match):
 
 
 def test_kernels_serve_hint_values_and_decline_the_rest_with_a_reason():
-    """Decode attention's kernel attends HINT values (in the rotated space); page packing,
-    page reconstruction (rows un-rotated one by one) and HINT keys stay on the XLA path, each
-    declined with a reason naming the format."""
+    """Decode attention's kernel attends HINT values (in the rotated space), page
+    reconstruction un-rotates them in the tile; page packing and HINT keys in decode attention
+    stay on the XLA path, each declined with a reason naming the format."""
     from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
     from kvq_jax.kernels import page_pack, page_reconstruct, paged_attention
 
@@ -346,7 +346,7 @@ def test_kernels_serve_hint_values_and_decline_the_rest_with_a_reason():
         reason = page_pack.config_support((4, 16, 2, 64), jnp.bfloat16, kind="value", format=fmt)
         assert reason is not None and fmt in reason
         values = PagedCacheConfig(**shape, v_base_format=fmt)
-        assert f"format '{fmt}'" in page_reconstruct.config_support(values, "value")
+        assert page_reconstruct.config_support(values, "value") is None
         assert page_reconstruct.config_support(values, "key") is None
         assert paged_attention.config_support(q, init_cache(values), None) is None
         keys = PagedCacheConfig(**shape, k_base_format=fmt)

@@ -14,8 +14,9 @@ Per-tile arrays (shape, dtype), by format:
   int2      codes        uint8   [ps, D/4]   byte j: channel 4j + i in bits 2i, 2i + 1
             minimum      float16 as int4
             scale        float16 as int4
-  hint4     as int4      the rows still rotated (FORMAT.md 2c: the payload's INT4 decode;
-  hint2     as int2      `unpack_rotated`), for attention in the rotated space
+  hint4     as int4      `decode_tile`: the rows still rotated (FORMAT.md 2c: the payload's
+  hint2     as int2      INT4 decode, `unpack_rotated`), for attention in the rotated space;
+                         `decode_plain_tile`: un-rotated in the tile (`unrotate_tile`)
   INTB      codes        uint8   [ps, W]     each row a bit stream (FORMAT.md 2b); the kernel
                                              gathers each channel's two bytes from the ref
                                              (`intb_codes`), no tile of bytes is loaded
@@ -83,7 +84,9 @@ __all__ = [
     "ROTATED",
     "add_in_dtype_tile",
     "affine_tile",
+    "butterfly_tile",
     "chain_steps",
+    "decode_plain_tile",
     "decode_tile",
     "e4m3_to_f32",
     "expand_groups",
@@ -112,12 +115,13 @@ __all__ = [
     "tile_support",
     "unpack_crumbs_tile",
     "unpack_nibbles_tile",
+    "unrotate_tile",
     "unwiden",
 ]
 
 FORMATS = ("int4", "int2", "hint4", "hint2", "nvfp4", "fp8_e4m3")
 #: Hadamard-rotated formats (FORMAT.md 2c) -> the format of their payload; their tiles decode
-#: to the rotated rows (un-rotating each row is left to the XLA path).
+#: to the rotated rows (`decode_tile`); `unrotate_tile` turns a tile back (page reconstruction).
 ROTATED = {"hint4": "int4", "hint2": "int2"}
 #: PackedKV array fields per format: the keys of `decode_tile`'s `arrays`.
 FIELDS = {
@@ -533,6 +537,49 @@ def decode_tile(fmt: str, axis: str, group_size: int, arrays: dict, *, interpret
     raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
 
 
+def butterfly_tile(y, *, interpret: bool):
+    """float32 [R, D] (D a power of two) -> `kvq_jax.codecs.formats.hadamard.butterfly` of each
+    row, bit for bit: stage s pairs channel i (bit s clear) with i + 2^s, (a + b, a - b) each
+    one IEEE add (`_exact.add`; a - b as a + (-b), the same IEEE result) and flushed.
+
+    Triton takes a stage as a split of [R, D / 2h, 2h] into its halves (`tt.split`), the sums
+    and differences joined on a new last axis (`tt.join`), a transpose and a reshape."""
+    r, d = y.shape
+    h = 1
+    while h < d:
+        a, b = jnp.split(y.reshape(r, d // (2 * h), 2 * h), 2, axis=-1)
+        s = _exact.flush_subnormal(_exact.add(a, b, interpret=interpret))
+        t = _exact.flush_subnormal(_exact.add(a, -b, interpret=interpret))
+        y = jnp.stack([s, t], axis=-1).transpose(0, 1, 3, 2).reshape(r, d)
+        h *= 2
+    return y
+
+
+def unrotate_tile(y, *, interpret: bool):
+    """float32 [R, D] rotated rows -> `hadamard.unrotate` of each row (FORMAT.md 2c: the
+    butterfly, then times 2^-ceil(log2(D) / 2), exact but for a flushed underflow)."""
+    d = y.shape[-1]
+    scale = jnp.full(y.shape, 2.0 ** -(d.bit_length() // 2), jnp.float32)
+    return _exact.flush_subnormal(
+        _exact.multiply(butterfly_tile(y, interpret=interpret), scale, interpret=interpret)
+    )
+
+
+def decode_plain_tile(fmt: str, axis: str, group_size: int, arrays: dict, *, interpret: bool):
+    """`decode_tile` in the plain space: float32 [ps, D] as the XLA codec's `unpack` before its
+    cast, for every format; a rotated one (HINT4 / HINT2, heavy rows over one) un-rotated
+    here (`unrotate_tile` of its payload rows; a heavy row is its INT8 decode, plain)."""
+    if not rotated_format(fmt):
+        return decode_tile(fmt, axis, group_size, arrays, interpret=interpret)
+    heavy = heavy_layout(fmt)
+    if heavy is None:
+        rows = decode_tile(fmt, axis, group_size, arrays, interpret=interpret)
+        return unrotate_tile(rows, interpret=interpret)
+    payload, rows, is_heavy = heavy_parts(heavy.heavy_group, axis, group_size, arrays,
+                                          interpret=interpret)  # fmt: skip
+    return jnp.where(is_heavy, rows, unrotate_tile(payload, interpret=interpret))
+
+
 def add_in_dtype_tile(prev, delta, dtype, *, interpret: bool):
     """One residual step: (prev + delta) in `dtype` (bf16/fp16/fp32), as `add_in_dtype`.
 
@@ -580,13 +627,14 @@ def chain_steps(cache, kind: str, loop: int) -> tuple[tuple, list]:
 def reconstruct_tile(steps, load, dtype, *, rotated: bool = False, interpret: bool):
     """One (page, head) tile of a loop through its chain, in `dtype`, as the XLA path's
     `decode_pages`: the first step decoded alone, each later delta added in the cache dtype
-    (`add_in_dtype_tile`). steps: from `chain_steps`; load(fmt, plane, lead) -> the tile's
-    `decode_tile` arrays, lead () for a base plane or (level,) for a plane with a loop
-    axis. rotated (every step a rotated format): (float32 rows still in the rotated space,
-    the steps summed in float32, as `decode_pages(rotated=True)`; float32 [ps, D] heavy rows
-    in the plain space, zero elsewhere, or None): a first step with heavy rows leaves them
-    out of the rotated rows (their INT8 decode is plain; attention adds them to its output
-    after un-rotating the rest, which is the same up to rounding, FORMAT.md 2c)."""
+    (`add_in_dtype_tile`), rotated formats un-rotated first (`decode_plain_tile`).
+    steps: from `chain_steps`; load(fmt, plane, lead) -> the tile's `decode_tile` arrays,
+    lead () for a base plane or (level,) for a plane with a loop axis. rotated (every step a
+    rotated format): (float32 rows still in the rotated space, the steps summed in float32,
+    as `decode_pages(rotated=True)`; float32 [ps, D] heavy rows in the plain space, zero
+    elsewhere, or None): a first step with heavy rows leaves them out of the rotated rows
+    (their INT8 decode is plain; attention adds them to its output after un-rotating the
+    rest, which is the same up to rounding, FORMAT.md 2c)."""
     recon, plain = None, None
     for fmt, axis, group_size, plane, level in steps:
         lead = () if level is None else (level,)
@@ -597,8 +645,10 @@ def reconstruct_tile(steps, load, dtype, *, rotated: bool = False, interpret: bo
                                                  interpret=interpret)  # fmt: skip
             values = jnp.where(is_heavy, jnp.float32(0.0), values)
             plain = jnp.where(is_heavy, rows, jnp.float32(0.0))
-        else:
+        elif rotated:
             values = decode_tile(fmt, axis, group_size, arrays, interpret=interpret)
+        else:
+            values = decode_plain_tile(fmt, axis, group_size, arrays, interpret=interpret)
         if rotated:
             recon = values if recon is None else _exact.add(recon, values, interpret=interpret)
         elif recon is None:

@@ -3,7 +3,8 @@
 
 - `ReconstructBase` runs per backend (subclasses: XLA, Pallas interpret mode) over
   `arg_specs.TEST_SPECS` (every base/residual format pair of int4 / nvfp4 / fp8 as K or V,
-  INT4 groups along tokens and channels, H 1-3, bf16 / fp16 / fp32). Caches are built with
+  INT4 groups along tokens and channels, H 1-3, bf16 / fp16 / fp32; per-loop formats, INTB,
+  heavy rows, HINT4 / HINT2 planes un-rotated in the tile). Caches are built with
   `init_cache` + `append`; their pages hold normal data, an all signed-zero base page with
   tiny (1e-30, 1e-37) and subnormal rows in later loops, a NaN in loop 1, and one page id
   never written (zeros; NVFP4 decodes 0 / 0 = NaN there). Every loop 0..L-1 of both kinds,
@@ -305,6 +306,31 @@ def test_heavy_comparison_catches_unshifted_payload_rows(monkeypatch, kind):
         jax.clear_caches()
 
 
+def _butterfly_operands_swapped(y, *, interpret):
+    r, d = y.shape
+    h = 1
+    while h < d:
+        a, b = jnp.split(y.reshape(r, d // (2 * h), 2 * h), 2, axis=-1)
+        s, t = a + b, b - a  # the planted defect: b - a for a - b
+        y = jnp.stack([s, t], axis=-1).transpose(0, 1, 3, 2).reshape(r, d)
+        h *= 2
+    return y
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+@pytest.mark.parametrize("spec", arg_specs.ROTATED_SPECS, ids=lambda s: s.name)
+def test_rotated_comparison_catches_a_swapped_butterfly(monkeypatch, spec):
+    """The interpret-mode comparison fails when the kernel's butterfly takes b - a for a - b
+    (HINT values, and heavy rows over them)."""
+    monkeypatch.setattr(_tile_decode, "butterfly_tile", _butterfly_operands_swapped)
+    jax.clear_caches()
+    try:
+        got = decode_pages(filled(spec), "value", PAGES, loop=0, backend="pallas_interpret")
+        assert_same_values(got, reference(spec, "value", 0), "planted defect")
+    finally:
+        jax.clear_caches()
+
+
 class TestPallasInterpret(ReconstructBase):
     backend = "pallas_interpret"
 
@@ -441,7 +467,6 @@ def test_errors():
         (dict(page_size=512, head_dim=128), "key", "exceeds"),
         (dict(v_group_size=48), "value", "group size 48 along channels"),
         (dict(k_group_size=2, page_size=6, num_loops=1), "key", "page_size 6"),
-        (dict(v_residual_format="hint4"), "value", "un-rotated one by one"),
         (dict(k_residual_format="int2", head_dim=2, k_group_size=1), "key", "head_dim >= 4"),
     ],
 )

@@ -7,6 +7,7 @@ bit (NaNs as NaN); `add_in_dtype_tile` equals `_numerics.add_in_dtype`.
   64), INT2 along both axes, HINT4 / HINT2 (the rotated rows), NVFP4 along both axes, FP8;
   E4M3 arrays passed as uint8 bits and as float8; data with
   signed zeros, tiny and subnormal values, large values, and NaN.
+- `unrotate_tile` (HINT rows un-rotated in a kernel) against the plain-Python oracle.
 - `e4m3_to_f32` over all 256 codes.
 - The non-interpret single-tile kernels lower for CUDA (Triton IR), on a CPU.
 """
@@ -194,6 +195,39 @@ class TileDecodeBase:
             )(prev, delta)
         assert_same_values(got, expected, f"add_in_dtype_tile {np.dtype(dtype)}")
 
+    @pytest.mark.parametrize("d", [1, 2, 8, 64, 128])
+    def test_unrotate_tile_is_the_oracles(self, d):
+        """`unrotate_tile` of every row equals the plain-Python oracle's Rinv (FORMAT.md 2c),
+        bit for bit: rows whose sums cancel to signed zeros or fall subnormal (flushed), that
+        overflow to inf, that hold NaN, across magnitudes 1e-38 .. 1e38."""
+        rng = np.random.default_rng(d)
+        rows = 8
+        y = rng.standard_normal((rows, d)) * 10.0 ** rng.integers(-38, 3, (rows, d))
+        y = y.astype(np.float32)
+        y[0] = np.float32(3e-38) * np.where(np.arange(d) % 2, 1.0, -1.0)  # subnormal sums
+        y[1] = np.float32(-0.0)
+        y[2] = np.float32(3e38)  # overflows to inf from D = 2
+        y[3, d // 2] = np.nan
+        y[4, :] = np.float32(1.5)  # cancels to signed zeros
+        from kvq_jax.oracle import hadamard as oracle
+
+        expected = np.asarray(oracle.unrotate(y.reshape(-1).tolist(), (rows, 1, d)), np.float32)
+
+        def body(x):
+            return _tile_decode.unrotate_tile(x, interpret=True)
+
+        if self.mode == "xla":
+            got = jax.jit(body)(y)
+        else:
+
+            def kernel(x_ref, o_ref):
+                o_ref[...] = body(x_ref[...])
+
+            got = pl.pallas_call(
+                kernel, out_shape=jax.ShapeDtypeStruct(y.shape, jnp.float32), interpret=True
+            )(y)
+        assert_same_values(got, expected.reshape(y.shape), f"unrotate_tile D {d}")
+
 
 class TestOutsideKernel(TileDecodeBase):
     mode = "xla"
@@ -229,6 +263,17 @@ def test_tile_kernel_lowers_for_cuda(case):
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in tile_arrays(packed, fmt, as_float8)]
     fn = tile_kernel(fmt, axis, group, ps, d, interpret=False)
     text = lower_for_gpu(fn, *args).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("d", [2, 64, 128])
+def test_unrotate_tile_lowers_for_cuda(d):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = _tile_decode.unrotate_tile(x_ref[...], interpret=False)
+
+    shape = jax.ShapeDtypeStruct((16, d), jnp.float32)
+    fn = jax.jit(pl.pallas_call(kernel, out_shape=shape, compiler_params=triton_params(False)))
+    text = lower_for_gpu(fn, shape).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
 

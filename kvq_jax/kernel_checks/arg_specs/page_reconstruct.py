@@ -8,12 +8,13 @@ Lists:
   FORMAT_PAIRS     every (base, residual) pair of int4 / nvfp4 / fp8_e4m3 (9)
   SUPPORTED_SPECS  every pair (as K or V) at every supported page geometry (page_size
                    16/32/64 x head_dim 64/128), loop = num_loops - 1, and `V2442` (per-loop
-                   INT2 / INT4 planes, absolute loops) at two, INTB at one: the kernel
-                   builds for each (the GPU-lowering test)
+                   INT2 / INT4 planes, absolute loops) at two, INTB, heavy rows and HINT
+                   values at one or two: the kernel builds for each (the GPU-lowering test)
   TEST_SPECS       small caches (tiny P and H) for interpret-mode tests: every format pair,
                    several group sizes, H in {1, 2, 3}, bf16 / fp16 / fp32, and
-  PER_LOOP_SPECS   per-loop formats (INT2 included) and loops stored absolute, and
-  INTB_SPECS       INTB planes (one table, one per layer)
+  PER_LOOP_SPECS   per-loop formats (INT2 included) and loops stored absolute,
+  INTB_SPECS       INTB planes (one table, one per layer), and
+  ROTATED_SPECS    HINT4 / HINT2 planes and heavy rows over HINT4, un-rotated in the tile
   BENCH_SPECS      Ouro-like pages: H 16, D 128, pages 16 / 64, int4 / nvfp4 / mixed
 """
 
@@ -137,7 +138,8 @@ def _short(fmt: str | tuple[str, ...]) -> str:
         return f"h{codec.heavy_group}{_short(codec.base_codec.name)}"
     if fmt.startswith("intb"):  # "intb-<digest>" / "intb-layers-<digest>"
         return "ib" + fmt.rsplit("-", 1)[-1][:4]
-    return {"int4": "i4", "int2": "i2", "nvfp4": "nv", "fp8_e4m3": "f8"}[fmt]
+    short = {"int4": "i4", "int2": "i2", "hint4": "hi4", "hint2": "hi2", "nvfp4": "nv"}
+    return {**short, "fp8_e4m3": "f8"}[fmt]
 
 
 def _pairs_as_specs(**geometry) -> list[ReconstructSpec]:
@@ -179,6 +181,18 @@ SUPPORTED_SPECS = tuple(
         k_residual_format="int4", v_base_format=heavy_format("int4", 64),
         v_residual_format="int4", v_group_size=32, page_size=64, num_heads=4, head_dim=128,
         num_loops=1, loop=0, layer=1,
+    ),
+    # Hadamard-rotated values un-rotated in the tile: int4-hint4's chain at Ouro's pages, and
+    # the best policy's pages at SmolLM2's (heavy INTB keys, heavy rows over HINT4 values)
+    ReconstructSpec(
+        v_base_format="hint4", v_residual_format="hint2", page_size=64, num_heads=4,
+        head_dim=128, num_loops=4, loop=3,
+    ),
+    ReconstructSpec(
+        k_base_format=heavy_format(intb_layers_format(3, 64), 64, 3, 64, layers=3),
+        k_residual_format="int4", v_base_format=heavy_format("hint4", 64),
+        v_residual_format="int4", page_size=64, num_heads=3, head_dim=64, num_loops=1, loop=0,
+        layer=1,
     ),
 )  # fmt: skip
 
@@ -305,6 +319,26 @@ INTB_SPECS = (
     ),
 )
 TEST_SPECS += INTB_SPECS
+
+#: Hadamard-rotated planes (FORMAT.md 2c), un-rotated in the tile: HINT2 keys with INT4 deltas
+#: (a rotated base under plain deltas), HINT4 values with a HINT2 then an INT4 delta; heavy
+#: rows over HINT4 values (the best policy's values) beside heavy INTB keys, loop 1 stored
+#: absolute in the same formats.
+ROTATED_SPECS = (
+    ReconstructSpec(
+        k_base_format="hint2", k_residual_format="int4", v_base_format="hint4",
+        v_residual_format=("hint2", "int4"), page_size=16, num_heads=3, head_dim=64,
+        num_loops=3, loop=2, dtype="float16", k_group_size=16,
+    ),
+    ReconstructSpec(
+        k_base_format=heavy_format(intb_layers_format(2, 64), 16, 2, 64, layers=3),
+        k_residual_format=heavy_format(intb_layers_format(2, 64), 16, 2, 64, layers=3),
+        v_base_format=heavy_format("hint4", 16), v_residual_format=heavy_format("hint4", 16),
+        page_size=32, num_heads=2, head_dim=64, num_loops=2, loop=1, dtype="bfloat16",
+        k_absolute=(1,), v_absolute=(1,), layer=2,
+    ),
+)  # fmt: skip
+TEST_SPECS += ROTATED_SPECS
 
 BENCH_FORMATS = {
     # name: (K base, K residual, V base, V residual)

@@ -19,7 +19,7 @@ from kvq_jax.core import checks
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.layouts import check_kind, is_power_of_two
 from kvq_jax.kernels import launch as _launch
-from kvq_jax.kernels._tile_decode import chain_steps, rotated_format, tile_support
+from kvq_jax.kernels._tile_decode import chain_steps, tile_support
 from kvq_jax.kernels.backend import resolve_backend
 from kvq_jax.kernels.page_reconstruct import pallas_triton, xla
 
@@ -34,9 +34,10 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
     page_size * head_dim <= 2**15), any H, L, dtype; INT4, INT2, NVFP4 and FP8 E4M3 in any
     loop (per-loop formats and loops stored absolute included); INT4 / INT2 group sizes that
     are powers of two dividing page_size (axis "tokens") or head_dim (axis "channels").
-    INTB (one table or one per layer) with token groups as INT4's. Heavy rows (FORMAT.md 5a)
-    over INT4 / INT2 / INTB (`_tile_decode.heavy_support`). Declined: HINT4 / HINT2, heavy
-    rows over them too (rows un-rotated on the XLA path), adaptive exits.
+    INTB (one table or one per layer) with token groups as INT4's. HINT4 / HINT2 (rows
+    un-rotated in the tile, `_tile_decode.unrotate_tile`) as INT4 / INT2. Heavy rows
+    (FORMAT.md 5a) over INT4 / INT2 / HINT4 / HINT2 / INTB (`_tile_decode.heavy_support`).
+    Declined: adaptive exits.
     """
     if not isinstance(config, PagedCacheConfig):
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
@@ -56,11 +57,6 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
         why = tile_support(fmt, axis, group, ps, d)
         if why:
             return f"{kind} loop {loop} {why}"
-        if rotated_format(fmt):
-            return (
-                f"{kind} loop {loop} format {fmt!r}: rows are un-rotated one by one on the XLA "
-                "path (decode attention's kernel reads them in the rotated space)"
-            )
     return None
 
 
