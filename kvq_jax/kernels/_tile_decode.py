@@ -111,6 +111,7 @@ __all__ = [
     "load_tile",
     "nvfp4_tile",
     "reconstruct_tile",
+    "rotate_tile",
     "rotated_format",
     "tile_support",
     "unpack_crumbs_tile",
@@ -555,14 +556,23 @@ def butterfly_tile(y, *, interpret: bool):
     return y
 
 
-def unrotate_tile(y, *, interpret: bool):
-    """float32 [R, D] rotated rows -> `hadamard.unrotate` of each row (FORMAT.md 2c: the
-    butterfly, then times 2^-ceil(log2(D) / 2), exact but for a flushed underflow)."""
-    d = y.shape[-1]
-    scale = jnp.full(y.shape, 2.0 ** -(d.bit_length() // 2), jnp.float32)
+def _scaled_butterfly(y, shift: int, *, interpret: bool):
+    scale = jnp.full(y.shape, 2.0**-shift, jnp.float32)
     return _exact.flush_subnormal(
         _exact.multiply(butterfly_tile(y, interpret=interpret), scale, interpret=interpret)
     )
+
+
+def rotate_tile(x, *, interpret: bool):
+    """float32 [R, D] rows (flushed) -> `hadamard.rotate` of each row (FORMAT.md 2c: the
+    butterfly, then times 2^-floor(log2(D) / 2), exact but for a flushed underflow)."""
+    return _scaled_butterfly(x, (x.shape[-1].bit_length() - 1) // 2, interpret=interpret)
+
+
+def unrotate_tile(y, *, interpret: bool):
+    """float32 [R, D] rotated rows -> `hadamard.unrotate` of each row (FORMAT.md 2c: the
+    butterfly, then times 2^-ceil(log2(D) / 2), exact but for a flushed underflow)."""
+    return _scaled_butterfly(y, y.shape[-1].bit_length() // 2, interpret=interpret)
 
 
 def decode_plain_tile(fmt: str, axis: str, group_size: int, arrays: dict, *, interpret: bool):

@@ -6,7 +6,8 @@ time: `reference_packed`), and the kernel those of the scalar oracle.
   (NaN / inf pages, zero and signed-zero pages, INT4 and E2M1 ties, tiny pages that hit the
   NVFP4 tiny-tensor rule and its fallback path, subnormals, FP16 overflow) in bf16 / fp16 /
   fp32, through `pack_paged(backend=...)` and `paged_cache.append(backend=...)`.
-- The kernel against the plain-Python oracle on one small configuration per format.
+- The kernel against the plain-Python oracle on one small configuration per format (HINT4:
+  rows rotated in registers, a kernel that skips the rotation planted and caught).
 - The non-interpret kernel lowers for CUDA (Triton IR) for every spec in `arg_specs.SPECS`:
   this runs on a CPU and is what proves the Triton kernel builds; interpret mode is lenient.
 - `--run-gpu`: the compiled kernel against XLA on a real GPU.
@@ -217,6 +218,20 @@ def test_reference_catches_a_planted_defect(monkeypatch):
         jax.clear_caches()
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_hint4_comparison_catches_a_kernel_that_skips_the_rotation(monkeypatch):
+    """The per-backend comparison fails when the kernel packs HINT4 pages unrotated."""
+    monkeypatch.setattr(pallas_triton._tile_decode, "rotate_tile", lambda x, interpret: x)
+    spec = next(s for s in arg_specs.SMALL_SPECS if s.format == "hint4")
+    pages, expected = reference_packed(spec)
+    jax.clear_caches()
+    try:
+        got = pack_paged(pages, **spec.kwargs, backend="pallas_interpret")
+        assert_trees_same_bytes(got, expected, "planted defect")
+    finally:
+        jax.clear_caches()
+
+
 # -- oracle -----------------------------------------------------------------------------------
 
 
@@ -225,6 +240,8 @@ def test_reference_catches_a_planted_defect(monkeypatch):
     [
         arg_specs.PagePackSpec("int4", "key", 16, 2, 16, "bfloat16", 8),
         arg_specs.PagePackSpec("int4", "value", 16, 2, 16, "float32", 8),
+        arg_specs.PagePackSpec("hint4", "value", 16, 2, 16, "bfloat16", 16),
+        arg_specs.PagePackSpec("hint4", "key", 16, 2, 16, "float16", 8),
         arg_specs.PagePackSpec("nvfp4", "key", 16, 2, 16, "float16"),
         arg_specs.PagePackSpec("fp8_e4m3", "value", 16, 2, 16, "float32"),
     ],

@@ -34,6 +34,8 @@ VARIANTS = (
     ("int4", "value", None, None),
     ("int4", "value", 16, None),
     ("int4", "key", 32, "channels"),
+    ("hint4", "value", None, None),
+    ("hint4", "key", None, None),
     ("nvfp4", "key", None, None),
     ("nvfp4", "value", None, None),
     ("fp8_e4m3", "key", None, None),
@@ -101,6 +103,7 @@ BENCH_SPECS = tuple(
     for fmt, kind, group in (
         ("int4", "key", None),
         ("int4", "value", None),
+        ("hint4", "value", None),
         ("nvfp4", "key", None),
         ("nvfp4", "value", None),
         ("fp8_e4m3", "key", None),

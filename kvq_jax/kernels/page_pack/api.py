@@ -7,7 +7,8 @@ the device and the configuration allow, else XLA). `dispatch` is the same call f
 that have validated and resolved the arguments already (the paged cache's append).
 
 The kernel takes (`config_support` says why not otherwise):
-  - formats int4, nvfp4 and fp8_e4m3 (a codec registered by a user runs on XLA);
+  - formats int4, hint4 (INT4 of rows rotated in registers), nvfp4 and fp8_e4m3 (INT2, INTB,
+    HINT2, heavy rows and a codec registered by a user run on XLA);
   - page_size and D powers of two (Triton blocks), D >= 2 (two codes per byte), and a
     [page_size, D] head tile of at most MAX_TILE_ELEMENTS elements (registers); any H;
   - INT4: token groups divide page_size (always: `resolve_paged`), channel groups divide D;
@@ -31,7 +32,7 @@ from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.page_pack import pallas_triton, xla
 
 #: Formats the kernel implements.
-KERNEL_FORMATS = ("int4", "nvfp4", "fp8_e4m3")
+KERNEL_FORMATS = ("int4", "hint4", "nvfp4", "fp8_e4m3")
 #: Largest page_size * D the kernel takes (one head tile in registers: 32 K elements).
 MAX_TILE_ELEMENTS = 2**15
 

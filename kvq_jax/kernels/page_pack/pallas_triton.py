@@ -1,4 +1,5 @@
-"""Page pack as Pallas kernels (Triton backend): INT4, NVFP4 and FP8 E4M3 pages in one call.
+"""Page pack as Pallas kernels (Triton backend): INT4, HINT4, NVFP4 and FP8 E4M3 pages in one
+call.
 
 Input: pages [P, page_size, H, D] (bf16 / fp16 / fp32). Output: the arrays `pack_paged`
 returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call:
@@ -6,7 +7,8 @@ returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call
 - INT4 and FP8 E4M3: grid (P, H). A program loads one (page, head) tile [page_size, D]
   once, computes the group statistics in registers and writes the nibble codes and the
   metadata of that tile (one pass: every input byte is read once, every output byte written
-  once).
+  once). HINT4 is INT4 of the tile's rows rotated in registers first (FORMAT.md 2c,
+  `_tile_decode.rotate_tile`: the butterfly's IEEE adds, each flushed).
 - NVFP4: grid (P,). Every page has its own global scale, which needs the amax over the whole
   page (all heads) before any block scale can be rounded. A program owns one page and loops
   over its heads twice (`lax.fori_loop`): pass 1 reads each [page_size, D] head tile for the
@@ -52,7 +54,7 @@ from kvq_jax.core.constants import (
     NVFP4_GROUP_SIZE,
     NVFP4_ONE_SIXTH,
 )
-from kvq_jax.kernels import _exact
+from kvq_jax.kernels import _exact, _tile_decode
 from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.launch import Launch
 
@@ -122,8 +124,13 @@ def _grouped(x, axis: str, group_size: int):
 # -- INT4 -------------------------------------------------------------------------------------
 
 
-def _int4_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, interpret):
+def _int4_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, rotate,
+                 interpret):  # fmt: skip
+    """INT4 of a [T, D] head tile; rotate: HINT4 (FORMAT.md 2c), INT4 of the rows rotated in
+    registers (`_tile_decode.rotate_tile`)."""
     x = _numerics.widen(x_ref[...])  # [T, D]
+    if rotate:
+        x = _tile_decode.rotate_tile(x, interpret=interpret)
     xg, member = _grouped(x, axis, group_size)
     nonfinite = jnp.max(_is_nonfinite(xg).astype(jnp.int32), axis=member, keepdims=True)
     finite = nonfinite == 0
@@ -267,12 +274,15 @@ def _meta_block(axis: str, page_size: int, head_dim: int, group_size: int):
     return page_size, head_dim // group_size
 
 
-def _pack_int4(pages, axis, group_size, interpret, launch):
+def _pack_int4(pages, axis, group_size, interpret, launch, rotate=False):
     p, t, h, d = pages.shape
     mt, md = _meta_block(axis, t, d, group_size)
     tile = lambda rows, cols: pl.BlockSpec((None, rows, None, cols), lambda i, j: (i, 0, j, 0))  # noqa: E731
+    kernel = functools.partial(
+        _int4_kernel, axis=axis, group_size=group_size, rotate=rotate, interpret=interpret
+    )
     codes, minimum, scale = _call(
-        functools.partial(_int4_kernel, axis=axis, group_size=group_size, interpret=interpret),
+        kernel,
         grid=(p, h),
         in_specs=[tile(t, d)],
         out_specs=[tile(t, d // 2), tile(mt, md), tile(mt, md)],
@@ -340,8 +350,8 @@ def pack_paged(
     Triton launch parameters (None: the rule of `kvq_jax.kernels.launch.page_pack`)."""
     if launch is None:
         launch = _launch.page_pack(pages.shape[1], pages.shape[3], format)
-    if format == "int4":
-        arrays = _pack_int4(pages, axis, group_size, interpret, launch)
+    if format in ("int4", "hint4"):
+        arrays = _pack_int4(pages, axis, group_size, interpret, launch, format == "hint4")
     elif format == "nvfp4":
         arrays = _pack_nvfp4(pages, axis, interpret, launch)
     elif format == "fp8_e4m3":
