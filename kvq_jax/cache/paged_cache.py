@@ -151,6 +151,8 @@ def _when_any_page(complete, pack):
     64-token pages: their writes are dropped anyway), elsewhere it always runs (a conditional
     costs a GPU a host round trip for its predicate)."""
 
+    pack = jax.jit(pack)  # traced once, for the shapes and both platforms' branches
+
     def cpu(complete):
         skip = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(pack))
         return lax.cond(jnp.any(complete), pack, lambda: skip)

@@ -35,7 +35,6 @@ VARIANTS = (
     ("int4", "value", 16, None),
     ("int4", "key", 32, "channels"),
     ("hint4", "value", None, None),
-    ("hint4", "key", None, None),
     ("nvfp4", "key", None, None),
     ("nvfp4", "value", None, None),
     ("fp8_e4m3", "key", None, None),

@@ -33,11 +33,13 @@ def _taken(take, arrays: dict, pages) -> dict:
     would cost them a host round trip for the predicate).
     """
 
+    if pages.shape[0] == 0:
+        return take(arrays, pages)
+    take = jax.jit(take)  # traced once for the three branches
+
     def cpu(arrays, pages):
         return lax.cond(pages[0] > 0, take, take, arrays, pages)
 
-    if pages.shape[0] == 0:
-        return take(arrays, pages)
     return lax.platform_dependent(arrays, pages, cpu=cpu, default=take)
 
 
