@@ -182,17 +182,17 @@ SUPPORTED_SPECS = tuple(
         v_residual_format="int4", v_group_size=32, page_size=64, num_heads=4, head_dim=128,
         num_loops=1, loop=0, layer=1,
     ),
-    # Hadamard-rotated values un-rotated in the tile: int4-hint4's chain at Ouro's pages, and
-    # the best policy's pages at SmolLM2's (heavy INTB keys, heavy rows over HINT4 values)
+    # Hadamard-rotated values un-rotated in the tile: int4-hint4's chain, and the best
+    # policy's pages (heavy INTB keys, heavy rows over HINT4 values), at Ouro's pages
     ReconstructSpec(
         v_base_format="hint4", v_residual_format="hint2", page_size=64, num_heads=4,
         head_dim=128, num_loops=4, loop=3,
     ),
     ReconstructSpec(
-        k_base_format=heavy_format(intb_layers_format(3, 64), 64, 3, 64, layers=3),
+        k_base_format=heavy_format(intb_layers_format(4, 128), 64, 4, 128, layers=3),
         k_residual_format="int4", v_base_format=heavy_format("hint4", 64),
-        v_residual_format="int4", page_size=64, num_heads=3, head_dim=64, num_loops=1, loop=0,
-        layer=1,
+        v_residual_format="int4", page_size=64, num_heads=4, head_dim=128, num_loops=1,
+        loop=0, layer=1,
     ),
 )  # fmt: skip
 
