@@ -226,19 +226,24 @@ def _skip_last_residual(chain, pages, **kwargs):
 _XLA_DECODE = page_reconstruct_xla.decode_pages
 
 
+def _planted(spec, kind, loop, backend="pallas_interpret"):
+    """`decode_pages` of `backend` against the reference, JAX's caches cleared before and
+    after (a planted function must be traced, and must not outlive the test in a jit cache)."""
+    jax.clear_caches()
+    try:
+        got = decode_pages(filled(spec), kind, PAGES, loop=loop, backend=backend)
+        assert_same_values(got, reference(spec, kind, loop), "planted defect")
+    finally:
+        jax.clear_caches()
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
 def test_reference_catches_a_planted_defect(monkeypatch):
     """The per-backend comparison fails when the XLA path drops the last residual step (xfail
     strict: the suite fails if this ever passes)."""
     monkeypatch.setattr(page_reconstruct_xla, "decode_pages", _skip_last_residual)
     spec = arg_specs.TEST_SPECS[0]
-    loop = spec.num_loops - 1
-    jax.clear_caches()
-    try:
-        got = decode_pages(filled(spec), "key", PAGES, loop=loop, backend="xla")
-        assert_same_values(got, reference(spec, "key", loop), "planted defect")
-    finally:
-        jax.clear_caches()
+    _planted(spec, "key", spec.num_loops - 1, backend="xla")
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
@@ -251,13 +256,7 @@ def test_per_loop_comparison_catches_a_kernel_ignoring_absolute_loops(monkeypatc
         return chain_steps(dataclasses.replace(cache, config=config), kind, loop)
 
     monkeypatch.setattr(api, "chain_steps", as_deltas)
-    spec = arg_specs.PER_LOOP_SPECS[0]
-    jax.clear_caches()  # the planted plan must not outlive the test in a jit cache
-    try:
-        got = decode_pages(filled(spec), "value", PAGES, loop=2, backend="pallas_interpret")
-        assert_same_values(got, reference(spec, "value", 2), "planted defect")
-    finally:
-        jax.clear_caches()
+    _planted(arg_specs.PER_LOOP_SPECS[0], "value", 2)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
@@ -270,13 +269,7 @@ def test_intb_comparison_catches_a_kernel_reading_layer_0(monkeypatch):
         return load(refs, lead, page, head, 0, meta)
 
     monkeypatch.setattr(_tile_decode, "load_intb_tile", layer_0)
-    spec = arg_specs.INTB_SPECS[0]
-    jax.clear_caches()
-    try:
-        got = decode_pages(filled(spec), "key", PAGES, loop=0, backend="pallas_interpret")
-        assert_same_values(got, reference(spec, "key", 0), "planted defect")
-    finally:
-        jax.clear_caches()
+    _planted(arg_specs.INTB_SPECS[0], "key", 0)
 
 
 def _unshifted(rows, group):
@@ -297,13 +290,7 @@ def test_heavy_comparison_catches_unshifted_payload_rows(monkeypatch, kind):
     """The interpret-mode comparison fails when the kernel reads payload row g*(G-1) + i for
     output row g*G + i past the heavy row (the heavy row's own index is never read)."""
     monkeypatch.setattr(_tile_decode, "heavy_row_index", _unshifted)
-    spec = arg_specs.HEAVY_SPECS[0]
-    jax.clear_caches()
-    try:
-        got = decode_pages(filled(spec), kind, PAGES, loop=0, backend="pallas_interpret")
-        assert_same_values(got, reference(spec, kind, 0), "planted defect")
-    finally:
-        jax.clear_caches()
+    _planted(arg_specs.HEAVY_SPECS[0], kind, 0)
 
 
 def _butterfly_operands_swapped(y, *, interpret):
@@ -323,12 +310,7 @@ def test_rotated_comparison_catches_a_swapped_butterfly(monkeypatch, spec):
     """The interpret-mode comparison fails when the kernel's butterfly takes b - a for a - b
     (HINT values, and heavy rows over them)."""
     monkeypatch.setattr(_tile_decode, "butterfly_tile", _butterfly_operands_swapped)
-    jax.clear_caches()
-    try:
-        got = decode_pages(filled(spec), "value", PAGES, loop=0, backend="pallas_interpret")
-        assert_same_values(got, reference(spec, "value", 0), "planted defect")
-    finally:
-        jax.clear_caches()
+    _planted(spec, "value", 0)
 
 
 class TestPallasInterpret(ReconstructBase):
