@@ -150,43 +150,70 @@ def test_keys_before_rope_match_the_reference(monkeypatch):
     assert np.abs(np.stack(request.logits) - logits).max() > 10 * REFERENCE_TOL
 
 
-def test_the_best_policy_through_the_kernels_matches_the_reference(monkeypatch):
-    """The served best policy's formats (heavy rows over INTB keys and HINT4 values, keys
-    stored before RoPE) on 2-loop Ouro with backend "auto" resolved as on a GPU (each op's
-    kernel where its `config_support` takes the cache, here in interpret mode; the XLA path
-    elsewhere: page packing of these formats): 16 decode
-    steps against the page-by-page reference, and decode attention ran in the kernel."""
+def _through_the_kernels(monkeypatch, model, policy) -> dict:
+    """`_against_reference` with backend "auto" resolved as on a GPU (each op's kernel where
+    its `config_support` takes the cache, here in interpret mode; the XLA path elsewhere);
+    returns the keyword arguments of each kernel call per op ({"attention", "pack",
+    "reconstruct"})."""
     from kvq_jax.kernels import backend
+    from kvq_jax.kernels.page_pack import api as pack_api
     from kvq_jax.kernels.page_reconstruct import api as reconstruct_api
     from kvq_jax.kernels.paged_attention import api as attention_api
 
-    real_resolve, real_kernel = (
-        backend.resolve_backend,
-        attention_api.pallas_triton.paged_decode_attention,
-    )
-    kernel_calls = []
+    real_resolve = backend.resolve_backend
+    calls = {"attention": [], "pack": [], "reconstruct": []}
 
     def as_on_a_gpu(name, support=None, *, device=None):
         if name == "auto":
             name = "pallas_interpret" if support is None else "xla"
         return real_resolve(name, support, device=device)
 
-    def counted(*args, **kwargs):
-        kernel_calls.append(kwargs["interpret"])
-        return real_kernel(*args, **kwargs)
+    def counted(op, real):
+        def call(*args, **kwargs):
+            calls[op].append(kwargs)
+            return real(*args, **kwargs)
 
+        return call
+
+    for op, module, name in (
+        ("attention", attention_api.pallas_triton, "paged_decode_attention"),
+        ("pack", pack_api.pallas_triton, "pack_paged"),
+        ("reconstruct", reconstruct_api.pallas_triton, "decode_pages"),
+    ):
+        monkeypatch.setattr(module, name, counted(op, getattr(module, name)))
     monkeypatch.setattr(backend, "resolve_backend", as_on_a_gpu)
     monkeypatch.setattr(reconstruct_api, "resolve_backend", as_on_a_gpu)
-    monkeypatch.setattr(attention_api.pallas_triton, "paged_decode_attention", counted)
-    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
-    model = tiny_model("ouro", seed=5, loops=2)
-    policy, _ = _heavy_policy(monkeypatch, tables, rope_theta=model.config.rope_theta)
     jax.clear_caches()  # no program traced with another resolution
     try:
         _against_reference(model, policy, backend="auto")
     finally:
         jax.clear_caches()
-    assert kernel_calls and all(kernel_calls)
+    return calls
+
+
+def test_the_best_policy_through_the_kernels_matches_the_reference(monkeypatch):
+    """The served best policy's formats (heavy rows over INTB keys and HINT4 values, keys
+    stored before RoPE) on 2-loop Ouro through the kernels (`_through_the_kernels`; page
+    packing of these formats on the XLA path): 16 decode steps against the page-by-page
+    reference, and decode attention ran in the kernel."""
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    model = tiny_model("ouro", seed=5, loops=2)
+    policy, _ = _heavy_policy(monkeypatch, tables, rope_theta=model.config.rope_theta)
+    calls = _through_the_kernels(monkeypatch, model, policy)
+    assert calls["attention"] and all(c["interpret"] for c in calls["attention"])
+
+
+def test_hint_values_through_the_kernels_match_the_reference(monkeypatch):
+    """int4-hint4 (HINT4 values, loop 1 a HINT4 delta) on 2-loop Ouro through the kernels:
+    pages pack in the kernel (HINT4 rows rotated in registers), loop 0's values reconstruct in
+    it for loop 1's deltas (un-rotated in registers), decode attention reads them in the
+    rotated space; 16 decode steps against the page-by-page reference."""
+    calls = _through_the_kernels(monkeypatch, tiny_model("ouro", seed=5, loops=2),
+                                 _groups_of_16("int4-hint4"))  # fmt: skip
+    assert all(c["interpret"] for op in calls for c in calls[op])
+    assert calls["attention"]
+    assert "hint4" in {c["format"] for c in calls["pack"]}
+    assert "hint4" in {step[0] for c in calls["reconstruct"] for step in c["steps"]}
 
 
 def test_exits_across_absolute_loops_match_the_reference():
