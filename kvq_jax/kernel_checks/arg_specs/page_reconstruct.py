@@ -130,6 +130,12 @@ class ReconstructSpec:
         return num_pages * (read + out)
 
 
+#: Short names of the built-in formats in spec names.
+_SHORT = {
+    "int4": "i4", "int2": "i2", "hint4": "hi4", "hint2": "hi2", "nvfp4": "nv", "fp8_e4m3": "f8",
+}  # fmt: skip
+
+
 def _short(fmt: str | tuple[str, ...]) -> str:
     if isinstance(fmt, tuple):
         return "/".join(map(_short, fmt))
@@ -138,8 +144,7 @@ def _short(fmt: str | tuple[str, ...]) -> str:
         return f"h{codec.heavy_group}{_short(codec.base_codec.name)}"
     if fmt.startswith("intb"):  # "intb-<digest>" / "intb-layers-<digest>"
         return "ib" + fmt.rsplit("-", 1)[-1][:4]
-    short = {"int4": "i4", "int2": "i2", "hint4": "hi4", "hint2": "hi2", "nvfp4": "nv"}
-    return {**short, "fp8_e4m3": "f8"}[fmt]
+    return _SHORT[fmt]
 
 
 def _pairs_as_specs(**geometry) -> list[ReconstructSpec]:
