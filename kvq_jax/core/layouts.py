@@ -327,6 +327,14 @@ def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def rotation_shifts(head_dim: int) -> tuple[int, int]:
+    """(R's, Rinv's) power-of-two shifts of FORMAT.md 2c for rows of `head_dim` channels (a
+    power of two, n = log2 D): R scales the butterfly by 2^-floor(n/2), Rinv by
+    2^-ceil(n/2)."""
+    n = head_dim.bit_length() - 1
+    return n // 2, (n + 1) // 2
+
+
 class HadamardLayout(FormatLayout):
     """A base affine format (INT4, INT2) of Hadamard-rotated (token, head) rows (FORMAT.md
     section 2c): the base format's arrays, axes and group sizes; D must be a power of two."""

@@ -73,7 +73,7 @@ from jax import lax
 from kvq_jax.codecs._numerics import e2m1_decode
 from kvq_jax.core import registry
 from kvq_jax.core.constants import NVFP4_GROUP_SIZE
-from kvq_jax.core.layouts import HEAVY_FIELDS, HeavyLayout, IntBLayout
+from kvq_jax.core.layouts import HEAVY_FIELDS, HeavyLayout, IntBLayout, rotation_shifts
 from kvq_jax.kernels import _exact
 
 __all__ = [
@@ -566,13 +566,13 @@ def _scaled_butterfly(y, shift: int, *, interpret: bool):
 def rotate_tile(x, *, interpret: bool):
     """float32 [R, D] rows (flushed) -> `hadamard.rotate` of each row (FORMAT.md 2c: the
     butterfly, then times 2^-floor(log2(D) / 2), exact but for a flushed underflow)."""
-    return _scaled_butterfly(x, (x.shape[-1].bit_length() - 1) // 2, interpret=interpret)
+    return _scaled_butterfly(x, rotation_shifts(x.shape[-1])[0], interpret=interpret)
 
 
 def unrotate_tile(y, *, interpret: bool):
     """float32 [R, D] rotated rows -> `hadamard.unrotate` of each row (FORMAT.md 2c: the
     butterfly, then times 2^-ceil(log2(D) / 2), exact but for a flushed underflow)."""
-    return _scaled_butterfly(y, y.shape[-1].bit_length() // 2, interpret=interpret)
+    return _scaled_butterfly(y, rotation_shifts(y.shape[-1])[1], interpret=interpret)
 
 
 def decode_plain_tile(fmt: str, axis: str, group_size: int, arrays: dict, *, interpret: bool):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from kvq_jax.codecs._numerics import flush_subnormal, widen
 from kvq_jax.codecs.codec import Codec
 from kvq_jax.codecs.formats import int2, int4
-from kvq_jax.core.layouts import HInt2Layout, HInt4Layout
+from kvq_jax.core.layouts import HInt2Layout, HInt4Layout, rotation_shifts
 
 
 def butterfly(y: jnp.ndarray) -> jnp.ndarray:
@@ -36,12 +36,12 @@ def _scale(y: jnp.ndarray, shift: int) -> jnp.ndarray:
 
 def rotate(x: jnp.ndarray) -> jnp.ndarray:
     """R: float32 [..., D] -> butterfly * 2^-floor(n/2), n = log2 D."""
-    return _scale(butterfly(x), (x.shape[-1].bit_length() - 1) // 2)
+    return _scale(butterfly(x), rotation_shifts(x.shape[-1])[0])
 
 
 def unrotate(y: jnp.ndarray) -> jnp.ndarray:
     """Rinv: float32 [..., D] -> butterfly * 2^-ceil(n/2)."""
-    return _scale(butterfly(y), y.shape[-1].bit_length() // 2)
+    return _scale(butterfly(y), rotation_shifts(y.shape[-1])[1])
 
 
 class _Rotated(Codec):

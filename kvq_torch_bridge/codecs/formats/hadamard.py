@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq_jax.core.layouts import HInt2Layout, HInt4Layout
+from kvq_jax.core.layouts import HInt2Layout, HInt4Layout, rotation_shifts
 from kvq_torch_bridge.codecs._dtypes import torch_dtype
 from kvq_torch_bridge.codecs._numerics import F32, flush_subnormal, widen
 from kvq_torch_bridge.codecs.codec import Codec
@@ -33,12 +33,12 @@ def _scale(y: torch.Tensor, shift: int) -> torch.Tensor:
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """R: float32 [..., D] -> butterfly * 2^-floor(n/2), n = log2 D."""
-    return _scale(butterfly(x), (x.shape[-1].bit_length() - 1) // 2)
+    return _scale(butterfly(x), rotation_shifts(x.shape[-1])[0])
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:
     """Rinv: float32 [..., D] -> butterfly * 2^-ceil(n/2)."""
-    return _scale(butterfly(y), y.shape[-1].bit_length() // 2)
+    return _scale(butterfly(y), rotation_shifts(y.shape[-1])[1])
 
 
 class _Rotated(Codec):
