@@ -203,17 +203,20 @@ def test_the_best_policy_through_the_kernels_matches_the_reference(monkeypatch):
     assert calls["attention"] and all(c["interpret"] for c in calls["attention"])
 
 
-def test_hint_values_through_the_kernels_match_the_reference(monkeypatch):
-    """int4-hint4 (HINT4 values, loop 1 a HINT4 delta) on 2-loop Ouro through the kernels:
-    pages pack in the kernel (HINT4 rows rotated in registers), loop 0's values reconstruct in
-    it for loop 1's deltas (un-rotated in registers), decode attention reads them in the
-    rotated space; 16 decode steps against the page-by-page reference."""
-    calls = _through_the_kernels(monkeypatch, tiny_model("ouro", seed=5, loops=2),
-                                 _groups_of_16("int4-hint4"))  # fmt: skip
+def test_int2_and_hint_values_through_the_kernels_match_the_reference(monkeypatch):
+    """INT2 keys (loop 1 an INT2 delta) and HINT2 values (loop 1 a HINT4 delta) on 2-loop Ouro
+    through the kernels: every page packs in the kernel (four INT2 codes per byte; HINT rows
+    rotated in registers), loop 0 reconstructs in it for loop 1's deltas (HINT2 un-rotated in
+    registers), decode attention reads the values in the rotated space; 16 decode steps
+    against the page-by-page reference."""
+    policy = dataclasses.replace(_groups_of_16("int4-hint4"), name="int2-hint2-hint4-g16",
+                                 base_format="int2", residual_format="int2",
+                                 v_base_format="hint2", v_residual_format="hint4")  # fmt: skip
+    calls = _through_the_kernels(monkeypatch, tiny_model("ouro", seed=6, loops=2), policy)
     assert all(c["interpret"] for op in calls for c in calls[op])
     assert calls["attention"]
-    assert "hint4" in {c["format"] for c in calls["pack"]}
-    assert "hint4" in {step[0] for c in calls["reconstruct"] for step in c["steps"]}
+    assert {c["format"] for c in calls["pack"]} == {"int2", "hint2", "hint4"}
+    assert {"int2", "hint2"} <= {step[0] for c in calls["reconstruct"] for step in c["steps"]}
 
 
 def test_exits_across_absolute_loops_match_the_reference():

@@ -3,15 +3,15 @@
 The scalar oracle is checked against hand-worked bytes and an independent numpy float32
 re-derivation; the jitted (and eager, and vmapped) JAX codec and the Torch codec against the
 oracle, byte for byte; per-loop residual formats (FlashLoop's profiles) against the oracle's
-residual chain; the read-side kernels serve INT2 and page packing declines it with a
-reason (the XLA path packs it); bad
-arguments raise naming the argument. Planted defects (strict xfails) show that the checks
+residual chain; the kernels serve INT2 (page packing, in interpret mode, equal to the
+oracle); bad arguments raise naming the argument. Planted defects (strict xfails) show that the checks
 can fail.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -407,16 +407,17 @@ def test_residual_format_errors_name_the_argument():
 
 
 # ------------------------------------------------------------------------------------------
-# page reconstruction and decode attention serve INT2 (tests/kernels); page packing declines
-# it and the XLA path packs it (the paged cache: tests/test_paged_cache.py)
+# page packing, page reconstruction and decode attention serve INT2 (tests/kernels)
 
 
-def test_read_kernels_serve_int2_and_page_pack_declines_it():
+def test_kernels_serve_int2():
     from kvq_jax.cache.paged_cache import PagedCacheConfig, init_cache
     from kvq_jax.kernels import page_pack, page_reconstruct, paged_attention
 
-    reason = page_pack.config_support((4, 16, 2, 64), jnp.bfloat16, kind="key", format="int2")
-    assert reason is not None and "int2" in reason
+    support = functools.partial(page_pack.config_support, dtype=jnp.bfloat16, kind="key",
+                                format="int2")  # fmt: skip
+    assert support((4, 16, 2, 64)) is None
+    assert "not a power of two >= 4" in support((4, 16, 2, 2))  # four codes per byte
     config = PagedCacheConfig(num_pages=4, page_size=16, num_heads=2, head_dim=64,
                               dtype="bfloat16", num_loops=2, k_base_format="int2",
                               k_residual_format="int2", v_residual_format="int2")  # fmt: skip
@@ -426,12 +427,12 @@ def test_read_kernels_serve_int2_and_page_pack_declines_it():
     for loop in range(2):
         assert paged_attention.config_support(q, init_cache(config), None, loop=loop) is None
     pages = _kv(np.random.default_rng(10), (3 * 16, 2, 64), BF16).reshape(3, 16, 2, 64)
-    with pytest.raises(ValueError, match="int2"):
-        kq.pack_paged(pages, kind="key", format="int2", backend="pallas")
-    packed = kq.pack_paged(pages, kind="key", format="int2")  # "auto": XLA
-    for p in range(3):
-        expected = oracle.pack(pages[p], format="int2", kind="key", group_size=16)
-        assert_packed_equal(jax.tree.map(lambda a, p=p: a[p], packed), expected.arrays, "page")
+    for backend in ("xla", "pallas_interpret"):
+        packed = kq.pack_paged(pages, kind="key", format="int2", backend=backend)
+        for p in range(3):
+            expected = oracle.pack(pages[p], format="int2", kind="key", group_size=16)
+            got = jax.tree.map(lambda a, p=p: a[p], packed)
+            assert_packed_equal(got, expected.arrays, f"{backend} page {p}")
 
 
 def test_engine_cache_config_for_flashloop_profiles():

@@ -7,7 +7,8 @@ time: `reference_packed`), and the kernel those of the scalar oracle.
   NVFP4 tiny-tensor rule and its fallback path, subnormals, FP16 overflow) in bf16 / fp16 /
   fp32, through `pack_paged(backend=...)` and `paged_cache.append(backend=...)`.
 - The kernel against the plain-Python oracle on one small configuration per format (HINT4:
-  rows rotated in registers, a kernel that skips the rotation planted and caught).
+  rows rotated in registers, a kernel that skips the rotation planted and caught; INT2: four
+  codes per byte, a kernel that packs them in the wrong order planted and caught).
 - The non-interpret kernel lowers for CUDA (Triton IR) for every spec in `arg_specs.SPECS`:
   this runs on a CPU and is what proves the Triton kernel builds; interpret mode is lenient.
 - `--run-gpu`: the compiled kernel against XLA on a real GPU.
@@ -204,32 +205,46 @@ def _double_the_pages(pages, **kwargs):
 _XLA_PACK = page_pack_xla.pack_paged
 
 
+def _compare_planted(format: str, backend: str) -> None:
+    """The per-backend comparison of `format`'s small spec, with JAX's caches cleared around
+    it (a defect planted by monkeypatch must be traced, not taken from a cache)."""
+    spec = next(s for s in arg_specs.SMALL_SPECS if s.format == format)
+    pages, expected = reference_packed(spec)
+    jax.clear_caches()
+    try:
+        got = pack_paged(pages, **spec.kwargs, backend=backend)
+        assert_trees_same_bytes(got, expected, "planted defect")
+    finally:
+        jax.clear_caches()
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
 def test_reference_catches_a_planted_defect(monkeypatch):
     """The per-backend comparison fails when the XLA path packs doubled pages (xfail strict:
     the test suite fails if this ever passes)."""
     monkeypatch.setattr(page_pack_xla, "pack_paged", _double_the_pages)
-    spec = arg_specs.SMALL_SPECS[0]
-    pages, expected = reference_packed(spec)
-    jax.clear_caches()
-    try:
-        assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend="xla"), expected)
-    finally:
-        jax.clear_caches()
+    _compare_planted("int4", "xla")
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
 def test_hint4_comparison_catches_a_kernel_that_skips_the_rotation(monkeypatch):
     """The per-backend comparison fails when the kernel packs HINT4 pages unrotated."""
     monkeypatch.setattr(pallas_triton._tile_decode, "rotate_tile", lambda x, interpret: x)
-    spec = next(s for s in arg_specs.SMALL_SPECS if s.format == "hint4")
-    pages, expected = reference_packed(spec)
-    jax.clear_caches()
-    try:
-        got = pack_paged(pages, **spec.kwargs, backend="pallas_interpret")
-        assert_trees_same_bytes(got, expected, "planted defect")
-    finally:
-        jax.clear_caches()
+    _compare_planted("hint4", "pallas_interpret")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_int2_comparison_catches_codes_packed_in_the_wrong_order(monkeypatch):
+    """The per-backend comparison fails when the kernel puts channel 4j + 1 where 4j + 2
+    belongs (pairs of pairs swapped inside each byte)."""
+
+    def swapped(codes):
+        r, d = codes.shape
+        a, b, c, e = (codes.reshape(r, d // 4, 4)[..., i] for i in range(4))
+        return (a | (c << 2) | (b << 4) | (e << 6)).astype(jnp.uint8)
+
+    monkeypatch.setattr(pallas_triton, "_pack_2bit", swapped)
+    _compare_planted("int2", "pallas_interpret")
 
 
 # -- oracle -----------------------------------------------------------------------------------
@@ -242,6 +257,8 @@ def test_hint4_comparison_catches_a_kernel_that_skips_the_rotation(monkeypatch):
         arg_specs.PagePackSpec("int4", "value", 16, 2, 16, "float32", 8),
         arg_specs.PagePackSpec("hint4", "value", 16, 2, 16, "bfloat16", 16),
         arg_specs.PagePackSpec("hint4", "key", 16, 2, 16, "float16", 8),
+        arg_specs.PagePackSpec("int2", "key", 16, 2, 16, "float32", 8),
+        arg_specs.PagePackSpec("hint2", "value", 16, 2, 16, "bfloat16", 16),
         arg_specs.PagePackSpec("nvfp4", "key", 16, 2, 16, "float16"),
         arg_specs.PagePackSpec("fp8_e4m3", "value", 16, 2, 16, "float32"),
     ],

@@ -1,7 +1,8 @@
 """Which served policies the fused kernels take: every stored plane of the engine's caches,
-every loop, through `config_support` of decode attention and page reconstruction (shapes and
-static metadata only, so this runs without a GPU; the kernels' arithmetic is checked against
-the references in test_paged_attention.py / test_page_reconstruct.py)."""
+every loop, through `config_support` of decode attention, page reconstruction and page packing
+(shapes and static metadata only, so this runs without a GPU; the kernels' arithmetic is
+checked against the references in test_paged_attention.py / test_page_reconstruct.py /
+test_page_pack.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from kvq_jax.engine import Engine, QuantizedStore
-from kvq_jax.kernels import page_reconstruct
+from kvq_jax.kernels import page_pack, page_reconstruct
 from kvq_jax.kernels.paged_attention import config_support
 from kvq_jax.models import load_model
 from kvq_jax.models.loading import MissingPackages
@@ -58,14 +59,27 @@ def _caches(model_name, policy, loops, threshold=None):
 @pytest.mark.parametrize("model_name, policy, loops", KERNEL_SERVED)
 def test_policy_attends_through_the_kernels(model_name, policy, loops):
     """Decode attention's kernel takes every loop; page reconstruction's every plane (HINT and
-    heavy rows over HINT un-rotated in the tile)."""
+    heavy rows over HINT un-rotated in the tile); page packing's every plane of every loop
+    (INT4, INT2, HINT4, HINT2) but INTB keys and heavy rows, which it declines by name and the
+    XLA path packs."""
     caches, q, tables = _caches(model_name, policy, loops)
     for cache in caches:
+        c = cache.config
         for loop in range(loops):
             assert config_support(q, cache, tables, loop=loop) is None, (policy, loop)
         for kind in ("key", "value"):
-            reason = page_reconstruct.config_support(cache.config, kind)
+            reason = page_reconstruct.config_support(c, kind)
             assert reason is None, (policy, kind, reason)
+            for loop in range(loops):
+                args = c.loop_pack_args(kind, loop)
+                fmt = args["format"]
+                reason = page_pack.config_support(
+                    (1, c.page_size, c.num_heads, c.head_dim), c.dtype, kind=kind, format=fmt,
+                    group_size=args["group_size"], axis=args["axis"],
+                )  # fmt: skip
+                on_xla = fmt.startswith(("intb", "heavy"))
+                assert (reason is not None) == on_xla, (policy, kind, loop, fmt, reason)
+                assert not on_xla or f"format {fmt!r} has no page-pack kernel" in reason
 
 
 def test_adaptive_exits_are_left_to_the_xla_path():

@@ -27,7 +27,8 @@ HEAD_DIMS = (64, 128)
 #: (format, kind, group_size, axis): the format variants the kernel is held to. INT4 keys use
 #: token groups (default gcd(64, page_size), and a smaller one), values channel groups (the
 #: default 64 and 16); a key packed on the channel axis checks that the axis, not the kind,
-#: decides the layout.
+#: decides the layout. INT2 / HINT2 (INT4's kernel with 3 levels and four codes per byte) as
+#: the served policies store them: INT2 keys, HINT2 values.
 VARIANTS = (
     ("int4", "key", None, None),
     ("int4", "key", 8, None),
@@ -39,6 +40,8 @@ VARIANTS = (
     ("nvfp4", "value", None, None),
     ("fp8_e4m3", "key", None, None),
     ("fp8_e4m3", "value", None, None),
+    ("int2", "key", None, None),
+    ("hint2", "value", None, None),
 )
 
 
@@ -106,5 +109,7 @@ BENCH_SPECS = tuple(
         ("nvfp4", "key", None),
         ("nvfp4", "value", None),
         ("fp8_e4m3", "key", None),
+        ("int2", "key", None),
+        ("hint2", "value", None),
     )
 )

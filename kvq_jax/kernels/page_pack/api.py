@@ -7,9 +7,10 @@ the device and the configuration allow, else XLA). `dispatch` is the same call f
 that have validated and resolved the arguments already (the paged cache's append).
 
 The kernel takes (`config_support` says why not otherwise):
-  - formats int4, hint4 (INT4 of rows rotated in registers), nvfp4 and fp8_e4m3 (INT2, INTB,
-    HINT2, heavy rows and a codec registered by a user run on XLA);
-  - page_size and D powers of two (Triton blocks), D >= 2 (two codes per byte), and a
+  - formats int4, int2, hint4 / hint2 (INT4 / INT2 of rows rotated in registers), nvfp4 and
+    fp8_e4m3 (INTB, heavy rows and a codec registered by a user run on XLA);
+  - page_size and D powers of two (Triton blocks), D >= 2 (two codes per byte; INT2 / HINT2:
+    D >= 4, four codes per byte), and a
     [page_size, D] head tile of at most MAX_TILE_ELEMENTS elements (registers); any H;
   - INT4: token groups divide page_size (always: `resolve_paged`), channel groups divide D;
     NVFP4 channel groups: D >= 16 (no partial group).
@@ -32,7 +33,7 @@ from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.page_pack import pallas_triton, xla
 
 #: Formats the kernel implements.
-KERNEL_FORMATS = ("int4", "hint4", "nvfp4", "fp8_e4m3")
+KERNEL_FORMATS = ("int4", "int2", "hint4", "hint2", "nvfp4", "fp8_e4m3")
 #: Largest page_size * D the kernel takes (one head tile in registers: 32 K elements).
 MAX_TILE_ELEMENTS = 2**15
 
@@ -45,8 +46,9 @@ def _reason(page_shape, format: str, axis: str, group_size: int) -> str | None:
         return f"format {format!r} has no page-pack kernel (kernels: {KERNEL_FORMATS})"
     if not is_power_of_two(page_size):
         return f"page_size {page_size} (pages.shape[1]) is not a power of two"
-    if not is_power_of_two(d) or d < 2:
-        return f"head dim D={d} (pages.shape[3]) is not a power of two >= 2"
+    codes_per_byte = 4 if format in ("int2", "hint2") else 2
+    if not is_power_of_two(d) or d < codes_per_byte:
+        return f"head dim D={d} (pages.shape[3]) is not a power of two >= {codes_per_byte}"
     if page_size * d > MAX_TILE_ELEMENTS:
         return (
             f"page_size * D = {page_size} * {d} exceeds the kernel's tile limit of "

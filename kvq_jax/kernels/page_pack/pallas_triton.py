@@ -1,13 +1,14 @@
-"""Page pack as Pallas kernels (Triton backend): INT4, HINT4, NVFP4 and FP8 E4M3 pages in one
-call.
+"""Page pack as Pallas kernels (Triton backend): INT4, INT2, HINT4, HINT2, NVFP4 and FP8 E4M3
+pages in one call.
 
 Input: pages [P, page_size, H, D] (bf16 / fp16 / fp32). Output: the arrays `pack_paged`
 returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call:
 
-- INT4 and FP8 E4M3: grid (P, H). A program loads one (page, head) tile [page_size, D]
-  once, computes the group statistics in registers and writes the nibble codes and the
-  metadata of that tile (one pass: every input byte is read once, every output byte written
-  once). HINT4 is INT4 of the tile's rows rotated in registers first (FORMAT.md 2c,
+- INT4 / INT2 and FP8 E4M3: grid (P, H). A program loads one (page, head) tile
+  [page_size, D] once, computes the group statistics in registers and writes the codes (two
+  or four per byte) and the metadata of that tile (one pass: every input byte is read once,
+  every output byte written once). INT2 is INT4's arithmetic with 3 levels (FORMAT.md 2a).
+  HINT4 / HINT2 are INT4 / INT2 of the tile's rows rotated in registers first (FORMAT.md 2c,
   `_tile_decode.rotate_tile`: the butterfly's IEEE adds, each flushed).
 - NVFP4: grid (P,). Every page has its own global scale, which needs the amax over the whole
   page (all heads) before any block scale can be rounded. A program owns one page and loops
@@ -49,6 +50,7 @@ from kvq_jax.core.constants import (
     E2M1_MAX,
     E4M3_MAX,
     F32_MAX,
+    INT2_LEVELS,
     INT4_LEVELS,
     NVFP4_GLOBAL_NUMERATOR,
     NVFP4_GROUP_SIZE,
@@ -100,11 +102,23 @@ def _e4m3_encode(a, *, interpret: bool):
     return jnp.where(nan, _E4M3_NAN, code), jnp.where(nan, a, value)
 
 
-def _pack_nibbles(codes):
-    """int32 codes [R, D] (0..15, D even) -> uint8 [R, D / 2]; channel 2j in bits 0-3."""
+def _pairs(codes, bits: int):
+    """int32 codes [R, D] (D even) -> [R, D / 2]: channel 2j in the low `bits` bits, channel
+    2j + 1 above them (a split in two along the last axis, which lowers in Triton)."""
     r, d = codes.shape
     low, high = jnp.unstack(codes.reshape(r, d // 2, 2), axis=-1)
-    return (low | (high << 4)).astype(jnp.uint8)
+    return low | (high << bits)
+
+
+def _pack_nibbles(codes):
+    """int32 codes [R, D] (0..15, D even) -> uint8 [R, D / 2]; channel 2j in bits 0-3."""
+    return _pairs(codes, 4).astype(jnp.uint8)
+
+
+def _pack_2bit(codes):
+    """int32 codes [R, D] (0..3, D a multiple of 4) -> uint8 [R, D / 4]; channel 4j + i in
+    bits 2i .. 2i + 1 (FORMAT.md section 1): pairs of channels, then pairs of pairs."""
+    return _pairs(_pairs(codes, 2), 4).astype(jnp.uint8)
 
 
 def _f16_bits(x, nan):
@@ -121,13 +135,22 @@ def _grouped(x, axis: str, group_size: int):
     return x.reshape(t, d // group_size, group_size), 2
 
 
-# -- INT4 -------------------------------------------------------------------------------------
+# -- INT4 / INT2 ------------------------------------------------------------------------------
+
+#: (levels, bits per code, rows rotated) of the affine formats.
+_AFFINE = {
+    "int4": (INT4_LEVELS, 4, False),
+    "hint4": (INT4_LEVELS, 4, True),
+    "int2": (INT2_LEVELS, 2, False),
+    "hint2": (INT2_LEVELS, 2, True),
+}
 
 
-def _int4_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, rotate,
-                 interpret):  # fmt: skip
-    """INT4 of a [T, D] head tile; rotate: HINT4 (FORMAT.md 2c), INT4 of the rows rotated in
-    registers (`_tile_decode.rotate_tile`)."""
+def _affine_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, format,
+                   interpret):  # fmt: skip
+    """INT4 / INT2 of a [T, D] head tile (FORMAT.md 2, 2a); HINT4 / HINT2 (2c): of the rows
+    rotated in registers first (`_tile_decode.rotate_tile`)."""
+    levels, bits, rotate = _AFFINE[format]
     x = _numerics.widen(x_ref[...])  # [T, D]
     if rotate:
         x = _tile_decode.rotate_tile(x, interpret=interpret)
@@ -138,10 +161,10 @@ def _int4_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, 
     mx = jnp.max(xg, axis=member, keepdims=True)
     mn = jnp.where(mn == 0, np.float32(0.0), mn)  # a zero minimum is stored as +0.0
     span = _exact.flush_subnormal(mx - mn)
-    levels = jnp.full(span.shape, INT4_LEVELS, jnp.float32)
+    divisor = jnp.full(span.shape, levels, jnp.float32)
     scale = jnp.where(
         span > 0,
-        _exact.flush_subnormal(_exact.divide(span, levels, interpret=interpret)),
+        _exact.flush_subnormal(_exact.divide(span, divisor, interpret=interpret)),
         np.float32(1.0),
     )
     diff = _exact.flush_subnormal(xg - mn)
@@ -149,9 +172,9 @@ def _int4_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, 
         _exact.divide(diff, jnp.broadcast_to(scale, diff.shape), interpret=interpret),
         interpret=interpret,
     )
-    codes = jnp.where(q >= 0, jnp.minimum(q, np.float32(15.0)), np.float32(0.0))  # NaN -> 0
-    codes = jnp.where(finite, codes, np.float32(0.0)).astype(jnp.int32)
-    codes_ref[...] = _pack_nibbles(codes.reshape(x.shape))
+    codes = jnp.where(q >= 0, jnp.minimum(q, levels), np.float32(0.0))  # NaN -> 0
+    codes = jnp.where(finite, codes, np.float32(0.0)).astype(jnp.int32).reshape(x.shape)
+    codes_ref[...] = _pack_nibbles(codes) if bits == 4 else _pack_2bit(codes)
     minimum_ref[...] = _f16_bits(jnp.squeeze(mn, member), jnp.squeeze(nonfinite, member) != 0)
     scale_ref[...] = _f16_bits(jnp.squeeze(scale, member), jnp.squeeze(nonfinite, member) != 0)
 
@@ -274,20 +297,21 @@ def _meta_block(axis: str, page_size: int, head_dim: int, group_size: int):
     return page_size, head_dim // group_size
 
 
-def _pack_int4(pages, axis, group_size, interpret, launch, rotate=False):
+def _pack_affine(pages, format, axis, group_size, interpret, launch):
     p, t, h, d = pages.shape
     mt, md = _meta_block(axis, t, d, group_size)
+    width = d * _AFFINE[format][1] // 8  # code bytes per (token, head)
     tile = lambda rows, cols: pl.BlockSpec((None, rows, None, cols), lambda i, j: (i, 0, j, 0))  # noqa: E731
     kernel = functools.partial(
-        _int4_kernel, axis=axis, group_size=group_size, rotate=rotate, interpret=interpret
+        _affine_kernel, axis=axis, group_size=group_size, format=format, interpret=interpret
     )
     codes, minimum, scale = _call(
         kernel,
         grid=(p, h),
         in_specs=[tile(t, d)],
-        out_specs=[tile(t, d // 2), tile(mt, md), tile(mt, md)],
+        out_specs=[tile(t, width), tile(mt, md), tile(mt, md)],
         out_shape=[
-            jax.ShapeDtypeStruct((p, t, h, d // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((p, t, h, width), jnp.uint8),
             jax.ShapeDtypeStruct((p, mt, h, md), jnp.float16),
             jax.ShapeDtypeStruct((p, mt, h, md), jnp.float16),
         ],
@@ -350,8 +374,8 @@ def pack_paged(
     Triton launch parameters (None: the rule of `kvq_jax.kernels.launch.page_pack`)."""
     if launch is None:
         launch = _launch.page_pack(pages.shape[1], pages.shape[3], format)
-    if format in ("int4", "hint4"):
-        arrays = _pack_int4(pages, axis, group_size, interpret, launch, format == "hint4")
+    if format in _AFFINE:
+        arrays = _pack_affine(pages, format, axis, group_size, interpret, launch)
     elif format == "nvfp4":
         arrays = _pack_nvfp4(pages, axis, interpret, launch)
     elif format == "fp8_e4m3":
