@@ -2,6 +2,7 @@
 
     python bench/page_reconstruct.py [--quick] [--repeats N] [--json PATH]
                                      [--batch B] [--context T] [--backends xla,pallas]
+                                     [--formats int4,nvfp4,mixed]
 
 Ouro-1.4B shapes (arg_specs.BENCH_SPECS): H = 16 KV heads, D = 128, bf16, page size 16 or
 64, a pool of B x T / page_size physical pages (default B = 8 sequences x T = 4096 tokens;
@@ -124,7 +125,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="sequences (default 8)")
     parser.add_argument("--context", type=int, default=None, help="tokens (default 4096)")
     parser.add_argument("--backends", default=None, help="comma list (default: available)")
+    parser.add_argument(
+        "--formats",
+        default=",".join(arg_specs.BENCH_FORMATS),
+        help="comma list of arg_specs.BENCH_FORMATS names (default: all)",
+    )
     args = parser.parse_args(argv)
+    formats = args.formats.split(",")
+    if unknown := sorted(set(formats) - set(arg_specs.BENCH_FORMATS)):
+        parser.error(f"--formats: unknown {unknown}; choose from {list(arg_specs.BENCH_FORMATS)}")
     batch = args.batch or (2 if args.quick else 8)
     context = args.context or (1024 if args.quick else 4096)
     warmup, repeats = _timing.repeat_counts(args, quick=(1, 3), full=(3, 20))
@@ -146,6 +155,8 @@ def main(argv=None) -> int:
         nbytes = sum(spec.bytes_moved(kind, spec.num_pages) for kind in arg_specs.KINDS)
         name = next(n for n, f in arg_specs.BENCH_FORMATS.items() if f[0] == spec.k_base_format
                     and f[1] == spec.k_residual_format)  # fmt: skip
+        if name not in formats:
+            continue
         results = {}
         for backend in backends:
             if backend != "xla" and any(config_support(spec.config(), k) for k in arg_specs.KINDS):

@@ -104,6 +104,7 @@ class _Codec:
         assert_same_values(decoded, oracle.unpack(expected, F32), what + " decoded")
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -4,8 +4,8 @@ The scalar oracle is checked against hand-worked bytes and an independent numpy 
 re-derivation; the jitted (and eager, and vmapped) JAX codec and the Torch codec against the
 oracle, byte for byte; per-loop residual formats (FlashLoop's profiles) against the oracle's
 residual chain; the kernels serve INT2 (page packing, in interpret mode, equal to the
-oracle); bad arguments raise naming the argument. Planted defects (strict xfails) show that the checks
-can fail.
+oracle); bad arguments raise naming the argument. Planted defects (strict xfails) show that
+the checks can fail.
 """
 
 from __future__ import annotations
@@ -194,6 +194,7 @@ def _check_torch(x, kind, g, axis):
         assert_same_values(got, oracle.unpack(expected, dt), f"torch decoded as {dt}")
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape, kind, g, axis", GRID, ids=str)
 def test_jax_and_torch_equal_the_oracle(shape, kind, g, axis, dtype):

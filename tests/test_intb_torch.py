@@ -189,6 +189,7 @@ def test_torch_equals_jax(table, g, dtype):
             assert (codes == top).any() and (codes == 0).any()
 
 
+@pytest.mark.thin(2)
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
 @pytest.mark.parametrize("t", [0, 1])
 @pytest.mark.parametrize("table", sorted(TABLES))
