@@ -140,3 +140,48 @@ def step_compiles(run) -> list[str]:
     finally:
         logger.removeHandler(handler)
     return seen
+
+
+#: Adaptive-exit caches the kernels take (`adaptive_exit_cache` overrides): INT4 keys with
+#: NVFP4 deltas and the reverse for values; INT2 keys with an INT4 delta and loop 2 stored
+#: absolute, HINT4 values (attended rotated) with loop 1 absolute in HINT2.
+ADAPTIVE_KERNEL_CACHES = {
+    "int4-nvfp4": dict(head_dim=64),
+    "int2-hint4-absolute": dict(
+        head_dim=64, k_base_format="int2", k_residual_format="int4", v_base_format="hint4",
+        v_residual_format="hint2", k_absolute=(2,), v_absolute=(1,),
+    ),
+}  # fmt: skip
+
+
+def adaptive_exit_cache(**overrides):
+    """A 3-loop adaptive-exit cache (page 16, sink 2): two sequences of 45 and 21 tokens whose
+    tokens exit after loop 0, 1 or 2 (their K/V in later loops are the exit loop's).
+    overrides: `PagedCacheConfig` fields (formats, head_dim, loops stored absolute)."""
+    import jax.numpy as jnp
+
+    from kvq_jax.cache import paged_cache as jpc
+    from kvq_jax.codecs.cache_state import PagedCacheConfig
+
+    fields = dict(
+        num_pages=12, page_size=16, num_heads=2, head_dim=32, dtype=jnp.bfloat16, num_loops=3,
+        k_base_format="int4", k_residual_format="nvfp4", v_base_format="nvfp4",
+        v_residual_format="int4", sink=2, max_seqs=2, adaptive_exit=True,
+    )  # fmt: skip
+    config = PagedCacheConfig(**{**fields, **overrides})
+    d = config.head_dim
+    cache = jpc.init_cache(config)
+    tables = jnp.asarray(np.random.default_rng(0).permutation(12).reshape(2, 6), jnp.int32)
+    rng = np.random.default_rng(1)
+    for slot, n in ((0, 45), (1, 21)):
+        exit_loop = rng.integers(0, 3, n)
+        kv = rng.normal(size=(3, 2, n, 2, d)).cumsum(axis=0)  # loop, k/v, token, head, dim
+        ids = jnp.asarray([slot], jnp.int32)
+        for loop in range(3):
+            rows = kv[np.minimum(loop, exit_loop), :, np.arange(n)]  # [n, 2, H, D]
+            k, v = (jnp.asarray(rows[None, :, i], jnp.bfloat16) for i in range(2))
+            exited = None if loop == 0 else jnp.asarray((exit_loop < loop)[None])
+            cache = jpc.append(
+                cache, k, v, block_tables=tables, seq_ids=ids, loop=loop, exited=exited
+            )
+    return cache, tables

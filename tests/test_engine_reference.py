@@ -227,6 +227,15 @@ def test_exits_across_absolute_loops_match_the_reference():
     assert len(set(request.exit_loops[1:])) > 1
 
 
+def test_exits_through_the_kernels_match_the_reference(monkeypatch):
+    """The same through the kernels (`_through_the_kernels`): page packing, page
+    reconstruction (the previous loop of each delta, each row kept at its exit loop by the
+    depth map) and decode attention (the depth map, absolute loops mid-chain) in the kernel."""
+    calls = _through_the_kernels(monkeypatch, _gated_ouro(), _groups_of_16("loops-abs-v2442"))
+    assert calls["attention"] and calls["pack"]
+    assert calls["reconstruct"] and all(c["depth"] is not None for c in calls["reconstruct"])
+
+
 @pytest.mark.slow
 def test_reference_comparison_catches_a_planted_defect(tiny_ouro, monkeypatch):
     """Decode attention that reads loop 0 in every loop (the residual chain ignored)."""

@@ -505,11 +505,14 @@ def _build_page_reconstruct(cfg: KernelConfig, knobs: Knobs):
     spec = cfg.spec
     if knobs.num_stages != 1:
         raise ValueError("page_reconstruct takes num_stages 1 only (one tile per program)")
-    steps, planes = chain_steps(spec.abstract_cache(), cfg.kind, spec.loop)
-    fn = functools.partial(
-        pallas_triton.decode_pages, steps=steps, interpret=False, launch=knobs.launch
-    )
-    return fn, (tuple(planes), spec.page_ids(8))
+    cache = spec.abstract_cache()
+    steps, planes = chain_steps(cache, cfg.kind, spec.loop)
+
+    def fn(planes, pages, depth):
+        return pallas_triton.decode_pages(planes, pages, None, depth, steps=steps,
+                                          interpret=False, launch=knobs.launch)  # fmt: skip
+
+    return fn, (tuple(planes), spec.page_ids(8), cache.depth)
 
 
 def _build_paged_attention(cfg: KernelConfig, knobs: Knobs):

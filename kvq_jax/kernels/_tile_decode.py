@@ -613,40 +613,43 @@ def chain_steps(cache, kind: str, loop: int) -> tuple[tuple, list]:
     """The static plan of reconstructing loop `loop` of `kind` in a kernel, and the packed
     planes it reads, each once (a run of loops in one format is one plane).
 
-    Returns (steps, planes): steps ((format, axis, group_size, plane, level), ...) in the
-    order of `PagedCacheConfig.chain`: the first is loop 0 or the last loop stored absolute
-    at or before `loop` (decoded alone), every later one a delta; plane indexes `planes`;
-    level is the loop's index on that plane's loop axis (None for the base plane [P, ...]).
-    Adaptive-exit caches (chains from loop 0 through absolute loops, per-row depths) have no
-    kernel plan: a ValueError (the kernels' config_support declines them)."""
+    Returns (steps, planes): steps ((format, axis, group_size, plane, level, absolute), ...)
+    in the order of `PagedCacheConfig.chain`: the first is loop 0 or the last loop stored
+    absolute at or before `loop` (decoded alone), every later one a delta, or (adaptive-exit
+    caches, whose chains start at loop 0) a loop stored absolute (`absolute`: its rows replace
+    the reconstruction); plane indexes `planes`; level is the loop's index on that plane's
+    loop axis (None for the base plane [P, ...])."""
     config = cache.config
-    if config.adaptive_exit:
-        raise ValueError("cache.config.adaptive_exit: no kernel plan (the XLA path decodes it)")
     index: dict = {}
     planes, steps = [], []
+    absolute = config.absolute_loops(kind)
     for i in config.chain(kind, loop):
         field, run, level = config.plane_of(kind, i)
         if (field, run) not in index:
             index[field, run] = len(planes)
             planes.append(cache.loop_plane(kind, i)[0])
         args = config.loop_pack_args(kind, i)
-        steps.append((args["format"], args["axis"], args["group_size"], index[field, run], level))
+        steps.append((args["format"], args["axis"], args["group_size"], index[field, run], level,
+                      i in absolute))  # fmt: skip
     return tuple(steps), planes
 
 
-def reconstruct_tile(steps, load, dtype, *, rotated: bool = False, interpret: bool):
+def reconstruct_tile(steps, load, dtype, *, rotated: bool = False, depth=None, interpret: bool):
     """One (page, head) tile of a loop through its chain, in `dtype`, as the XLA path's
     `decode_pages`: the first step decoded alone, each later delta added in the cache dtype
-    (`add_in_dtype_tile`), rotated formats un-rotated first (`decode_plain_tile`).
+    (`add_in_dtype_tile`) or an absolute step's rows taken, rotated formats un-rotated first
+    (`decode_plain_tile`).
     steps: from `chain_steps`; load(fmt, plane, lead) -> the tile's `decode_tile` arrays,
-    lead () for a base plane or (level,) for a plane with a loop axis. rotated (every step a
+    lead () for a base plane or (level,) for a plane with a loop axis. depth (adaptive exits;
+    the chain then starts at loop 0, step j is loop j): int32 [ps, 1], each row's exit loop:
+    a row keeps its reconstruction once step j passes its depth. rotated (every step a
     rotated format): (float32 rows still in the rotated space, the steps summed in float32,
     as `decode_pages(rotated=True)`; float32 [ps, D] heavy rows in the plain space, zero
     elsewhere, or None): a first step with heavy rows leaves them out of the rotated rows
     (their INT8 decode is plain; attention adds them to its output after un-rotating the
     rest, which is the same up to rounding, FORMAT.md 2c)."""
     recon, plain = None, None
-    for fmt, axis, group_size, plane, level in steps:
+    for j, (fmt, axis, group_size, plane, level, absolute) in enumerate(steps):
         lead = () if level is None else (level,)
         arrays = load(fmt, plane, lead)
         heavy = heavy_layout(fmt)
@@ -659,10 +662,13 @@ def reconstruct_tile(steps, load, dtype, *, rotated: bool = False, interpret: bo
             values = decode_tile(fmt, axis, group_size, arrays, interpret=interpret)
         else:
             values = decode_plain_tile(fmt, axis, group_size, arrays, interpret=interpret)
-        if rotated:
-            recon = values if recon is None else _exact.add(recon, values, interpret=interpret)
-        elif recon is None:
-            recon = _exact.round_to(values, dtype, interpret=interpret)
+        if rotated and (recon is None or absolute):
+            step = values
+        elif rotated:
+            step = _exact.add(recon, values, interpret=interpret)
+        elif recon is None or absolute:
+            step = _exact.round_to(values, dtype, interpret=interpret)
         else:
-            recon = add_in_dtype_tile(recon, values, dtype, interpret=interpret)
+            step = add_in_dtype_tile(recon, values, dtype, interpret=interpret)
+        recon = step if recon is None or depth is None else jnp.where(depth >= j, step, recon)
     return (recon, plain) if rotated else recon

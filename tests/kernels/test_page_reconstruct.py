@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_values
+from helpers import ADAPTIVE_KERNEL_CACHES, adaptive_exit_cache, assert_same_values
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from references import reference_pages
@@ -372,15 +372,21 @@ def test_plain_float_op_check_has_a_positive_control():
 
 
 def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
-    steps, planes = chain_steps(spec.abstract_cache(), kind, loop)
+    cache = spec.abstract_cache()
+    steps, planes = chain_steps(cache, kind, loop)
+    chain = (tuple(planes), cache.depth)
     if batch is None:
-        fn = functools.partial(pallas_triton.decode_pages, steps=steps, interpret=False)
+
+        def fn(chain, pages):
+            return pallas_triton.decode_pages(chain[0], pages, None, chain[1], steps=steps,
+                                              interpret=False)  # fmt: skip
+
         pages = spec.page_ids(8)
     else:
         call = api._batchable(steps, False, None)
-        fn = jax.vmap(lambda planes, pages: call(planes, jnp.int32(0), pages), in_axes=(None, 0))
+        fn = jax.vmap(lambda chain, pages: call(chain, jnp.int32(0), pages), in_axes=(None, 0))
         pages = jax.ShapeDtypeStruct((batch, 8), jnp.int32)
-    lowered = lower_for_gpu(fn, tuple(planes), pages)
+    lowered = lower_for_gpu(fn, chain, pages)
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text, "no Triton kernel in the lowered module"
     assert plain_float_ops(text) == set(), "plain float division / add in the kernel"
@@ -465,3 +471,46 @@ def test_unsupported_configs(overrides, kind, reason):
     got = decode_pages(cache, kind, pages, loop=0, backend="auto")
     ref = decode_pages(cache, kind, pages, loop=0, backend="xla")
     assert_same_values(got, ref, "auto fallback")
+
+
+# -- adaptive exits -----------------------------------------------------------------------------
+
+
+def _adaptive_pages(variant):
+    cache, _ = adaptive_exit_cache(**ADAPTIVE_KERNEL_CACHES[variant])
+    return cache, jnp.arange(cache.config.num_pages, dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("variant", ADAPTIVE_KERNEL_CACHES)
+def test_adaptive_exits_match_decode_pages(variant):
+    """Adaptive-exit caches (`PagedCacheConfig.adaptive_exit`: each row keeps its exit loop's
+    reconstruction, the depth map; chains from loop 0 through loops stored absolute): the
+    kernel (interpret mode) equals the XLA path, every page, kind and loop."""
+    cache, pages = _adaptive_pages(variant)
+    assert config_support(cache.config, "key") is None
+    assert config_support(cache.config, "value") is None
+    assert set(np.unique(np.asarray(cache.depth))) >= {0, 1, 2}  # rows exit in every loop
+    for kind in arg_specs.KINDS:
+        for loop in range(cache.config.num_loops):
+            got = decode_pages(cache, kind, pages, loop=loop, backend="pallas_interpret")
+            want = decode_pages(cache, kind, pages, loop=loop, backend="xla")
+            assert_same_values(got, want, f"{variant} {kind} loop {loop}")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_adaptive_comparison_catches_a_kernel_ignoring_the_depth_map(monkeypatch):
+    real = pallas_triton._tile_decode.reconstruct_tile
+
+    def every_loop(*args, depth=None, **kwargs):
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_triton._tile_decode, "reconstruct_tile", every_loop)
+    cache, pages = _adaptive_pages("int4-nvfp4")
+    jax.clear_caches()
+    try:
+        for loop in (1, 2):
+            got = decode_pages(cache, "key", pages, loop=loop, backend="pallas_interpret")
+            want = decode_pages(cache, "key", pages, loop=loop, backend="xla")
+            assert_same_values(got, want, f"planted defect, loop {loop}")
+    finally:
+        jax.clear_caches()

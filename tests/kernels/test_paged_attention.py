@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ADAPTIVE_KERNEL_CACHES, adaptive_exit_cache, rotated_space_atol
 from references import reference_attention
 
 import kvq_jax
@@ -199,37 +200,9 @@ def test_blockwise_xla_equals_reconstruct_then_attend(spec, block_pages):
     assert_close(out, ref, f"blockwise ({block_pages} pages) vs reconstruct-then-attend")
 
 
-def _adaptive_exit_cache():
-    """A 3-loop adaptive-exit cache (page 16, sink 2): two sequences of 45 and 21 tokens whose
-    tokens exit after loop 0, 1 or 2 (their K/V in later loops are the exit loop's)."""
-    from kvq_jax.cache import paged_cache as jpc
-    from kvq_jax.codecs.cache_state import PagedCacheConfig
-
-    config = PagedCacheConfig(
-        num_pages=12, page_size=16, num_heads=2, head_dim=32, dtype=jnp.bfloat16, num_loops=3,
-        k_base_format="int4", k_residual_format="nvfp4", v_base_format="nvfp4",
-        v_residual_format="int4", sink=2, max_seqs=2, adaptive_exit=True,
-    )  # fmt: skip
-    cache = jpc.init_cache(config)
-    tables = jnp.asarray(np.random.default_rng(0).permutation(12).reshape(2, 6), jnp.int32)
-    rng = np.random.default_rng(1)
-    for slot, n in ((0, 45), (1, 21)):
-        exit_loop = rng.integers(0, 3, n)
-        kv = rng.normal(size=(3, 2, n, 2, 32)).cumsum(axis=0)  # loop, k/v, token, head, dim
-        ids = jnp.asarray([slot], jnp.int32)
-        for loop in range(3):
-            rows = kv[np.minimum(loop, exit_loop), :, np.arange(n)]  # [n, 2, H, D]
-            k, v = (jnp.asarray(rows[None, :, i], jnp.bfloat16) for i in range(2))
-            exited = None if loop == 0 else jnp.asarray((exit_loop < loop)[None])
-            cache = jpc.append(
-                cache, k, v, block_tables=tables, seq_ids=ids, loop=loop, exited=exited
-            )
-    return cache, tables
-
-
 @pytest.mark.parametrize("block_pages", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_blockwise_xla_honours_adaptive_exits(block_pages):
-    cache, tables = _adaptive_exit_cache()
+    cache, tables = adaptive_exit_cache()
     assert cache.depth is not None and int(jnp.min(cache.depth[tables[0, :3]])) < 2
     q = jax.random.normal(jax.random.key(3), (2, 4, 32), jnp.float32)
     ids = jnp.arange(2, dtype=jnp.int32)
@@ -245,6 +218,27 @@ def test_blockwise_xla_honours_adaptive_exits(block_pages):
                 cache, tables, jnp.asarray(lens, jnp.int32), loop=loop
             )
             assert_close(out, dense_decode_attention(q, *dense, jnp.asarray(lens)), "dense")
+
+
+@pytest.mark.parametrize("variant", ADAPTIVE_KERNEL_CACHES)
+def test_kernel_honours_adaptive_exits(variant):
+    """The kernel (interpret mode) on adaptive-exit caches (each row's chain stops at its exit
+    loop: the depth map; loops stored absolute mid-chain; HINT values attended rotated)
+    equals the XLA path and dense attention over `gather_batch`, every loop."""
+    cache, tables = adaptive_exit_cache(**ADAPTIVE_KERNEL_CACHES[variant])
+    assert config_support(jnp.zeros((2, 4, 64)), cache, tables, loop=2) is None
+    q = jax.random.normal(jax.random.key(3), (2, 4, 64), jnp.float32)
+    ids = jnp.arange(2, dtype=jnp.int32)
+    for loop in range(3):
+        lens = jnp.asarray([45, 21], jnp.int32)
+        args = (q, cache, tables, lens)
+        out = api.paged_decode_attention(*args, loop=loop, seq_ids=ids, backend="pallas_interpret")
+        ref = api.paged_decode_attention(*args, loop=loop, seq_ids=ids, backend="xla")
+        assert_close(out, ref, f"{variant}: kernel vs XLA, loop {loop}")
+        k, v = jax.jit(gather_batch, static_argnames="loop")(cache, tables, lens, loop=loop)
+        atol = rotated_space_atol(cache, loop, v, base=ATOL)  # HINT values: attended rotated
+        assert_close(out, dense_decode_attention(q, k, v, lens), f"{variant}: dense, loop {loop}",
+                     atol=atol)  # fmt: skip
 
 
 def test_block_pages_argument():

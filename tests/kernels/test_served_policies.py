@@ -82,11 +82,13 @@ def test_policy_attends_through_the_kernels(model_name, policy, loops):
                 assert not on_xla or f"format {fmt!r} has no page-pack kernel" in reason
 
 
-def test_adaptive_exits_are_left_to_the_xla_path():
-    """An Ouro engine whose tokens exit early (threshold < 1) stores a depth map: both
-    kernels decline it, naming it."""
-    caches, q, tables = _caches("random:ouro-tiny", "int4-g64", 4, threshold=0.5)
+def test_adaptive_exits_take_the_kernels():
+    """An Ouro engine whose tokens exit early (threshold < 1) stores a depth map: decode
+    attention and page reconstruction take it (each row's chain stops at its exit loop)."""
+    caches, q, tables = _caches("random:ouro-tiny", "loops-abs-v2442", 4, threshold=0.5)
     for cache in caches:
-        assert cache.config.adaptive_exit
-        assert "adaptive_exit" in config_support(q, cache, tables, loop=0)
-        assert "adaptive-exit" in page_reconstruct.config_support(cache.config, "key")
+        assert cache.config.adaptive_exit and cache.depth is not None
+        for loop in range(4):
+            assert config_support(q, cache, tables, loop=loop) is None, loop
+        for kind in ("key", "value"):
+            assert page_reconstruct.config_support(cache.config, kind) is None, kind

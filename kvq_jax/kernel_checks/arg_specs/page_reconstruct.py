@@ -8,7 +8,8 @@ Lists:
   FORMAT_PAIRS     every (base, residual) pair of int4 / nvfp4 / fp8_e4m3 (9)
   SUPPORTED_SPECS  every pair (as K or V) at every supported page geometry (page_size
                    16/32/64 x head_dim 64/128), loop = num_loops - 1, and `V2442` (per-loop
-                   INT2 / INT4 planes, absolute loops) at two, INTB, heavy rows and HINT
+                   INT2 / INT4 planes, absolute loops) at two (and with adaptive exits at
+                   one), INTB, heavy rows and HINT
                    values at one or two: the kernel builds for each (the GPU-lowering test)
   TEST_SPECS       small caches (tiny P and H) for interpret-mode tests: every format pair,
                    several group sizes, H in {1, 2, 3}, bf16 / fp16 / fp32, and
@@ -63,6 +64,7 @@ class ReconstructSpec:
     k_absolute: tuple[int, ...] = ()  # later loops stored absolute
     v_absolute: tuple[int, ...] = ()
     layer: int | None = None  # the model layer a format with per-layer tables is read as
+    adaptive_exit: bool = False  # a depth map: each row keeps its exit loop
 
     @property
     def name(self) -> str:
@@ -78,6 +80,7 @@ class ReconstructSpec:
             f"-p{self.page_size}-h{self.num_heads}-d{self.head_dim}"
             f"-L{self.num_loops}l{self.loop}-{self.dtype}{groups}"
             + ("" if self.layer is None else f"-layer{self.layer}")
+            + ("-exits" if self.adaptive_exit else "")
         )
 
     def config(self, *, max_seqs: int = 1) -> PagedCacheConfig:
@@ -100,6 +103,7 @@ class ReconstructSpec:
             max_seqs=max_seqs,
             k_absolute=self.k_absolute,
             v_absolute=self.v_absolute,
+            adaptive_exit=self.adaptive_exit,
         )
 
     def empty_cache(self, *, max_seqs: int = 1):
@@ -175,6 +179,10 @@ SUPPORTED_SPECS = tuple(
     )
     for page_size, head_dim in ((16, 64), (64, 128))
 ) + (
+    # adaptive exits: the chain from loop 0 through the absolute loops, rows kept at their
+    # exit loop (the depth map)
+    ReconstructSpec(page_size=64, head_dim=128, num_heads=4, num_loops=4, loop=3,
+                    adaptive_exit=True, **V2442),
     ReconstructSpec(
         k_base_format=intb_layers_format(4, 128), k_residual_format="int2",
         v_base_format=intb_format(4, 128), v_residual_format="int4", page_size=64, num_heads=4,

@@ -63,6 +63,7 @@ class PagedAttentionSpec:
     v_absolute: tuple[int, ...] = ()
     layer: int | None = None  # the model layer a format with per-layer tables is read as
     rope_theta: float | None = None  # keys stored before RoPE (FORMAT.md 5b)
+    adaptive_exit: bool = False  # a depth map: each row keeps its exit loop
 
     @property
     def group(self) -> int:
@@ -115,6 +116,7 @@ class PagedAttentionSpec:
             k_absolute=self.k_absolute,
             v_absolute=self.v_absolute,
             rope_theta=self.rope_theta,
+            adaptive_exit=self.adaptive_exit,
         )
 
 
@@ -243,6 +245,9 @@ LOWERING_SPECS: tuple[PagedAttentionSpec, ...] = (
           dtype="bfloat16", ragged=False, **V2442),
     _spec("ouro-abs-v2442-b8-ctx4096-p16-loop1", 8, 16, 16, 128, 16, 4096, num_loops=4, loop=1,
           dtype="bfloat16", ragged=False, **V2442),
+    # Ouro with adaptive exits (the depth map; chains from loop 0 through absolute loops)
+    _spec("ouro-abs-v2442-exits-b8-ctx4096-p64-loop3", 8, 16, 16, 128, 64, 4096, num_loops=4,
+          loop=3, dtype="bfloat16", ragged=False, adaptive_exit=True, **V2442),
     # intb-prerope-hint4-heavy-smollm2's shapes (SmolLM2: 3 KV heads of 64, GQA 3, 64-token
     # pages, heavy64, per-layer tables of 30 layers), and Ouro-1.4B's head shapes.
     _spec("smollm2-heavy-intb-hint4-rope-b8-ctx4096-p64-l7", 8, 9, 3, 64, 64, 4096,

@@ -37,7 +37,7 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
     INTB (one table or one per layer) with token groups as INT4's. HINT4 / HINT2 (rows
     un-rotated in the tile, `_tile_decode.unrotate_tile`) as INT4 / INT2. Heavy rows
     (FORMAT.md 5a) over INT4 / INT2 / HINT4 / HINT2 / INTB (`_tile_decode.heavy_support`).
-    Declined: adaptive exits.
+    Adaptive exits (the depth map: a row keeps its exit loop's reconstruction).
     """
     if not isinstance(config, PagedCacheConfig):
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
@@ -49,8 +49,6 @@ def config_support(config: PagedCacheConfig, kind: str) -> str | None:
         return f"head_dim {d} is not a power of two >= 2"
     if ps * d > MAX_TILE_ELEMENTS:
         return f"page_size * head_dim = {ps * d} exceeds {MAX_TILE_ELEMENTS} elements per tile"
-    if config.adaptive_exit:
-        return "adaptive-exit caches (their depth map) are served by the XLA path"
     for loop in range(config.num_loops):
         args = config.loop_pack_args(kind, loop)
         fmt, axis, group = args["format"], args["axis"], args["group_size"]
@@ -77,8 +75,9 @@ def _batchable(steps: tuple, interpret: bool, launch):
 
     @jax.custom_batching.custom_vmap
     def call(planes, layer, pages):
+        planes, depth = planes  # the chain's planes, the depth map (None: no adaptive exits)
         return pallas_triton.decode_pages(
-            planes, pages, layer, steps=steps, interpret=interpret, launch=launch
+            planes, pages, layer, depth=depth, steps=steps, interpret=interpret, launch=launch
         )
 
     @call.def_vmap
@@ -116,7 +115,7 @@ def dispatch(cache, kind: str, pages, *, loop: int, backend: str, launch=None):
         launch = _launch.page_reconstruct(config.page_size, config.head_dim)
     call = _batchable(steps, impl == "pallas_interpret", launch)
     layer = jnp.int32(0) if cache.layer is None else jnp.asarray(cache.layer, jnp.int32)
-    return call(tuple(planes), layer, pages)
+    return call((tuple(planes), cache.depth), layer, pages)
 
 
 def decode_pages(cache, kind: str, pages, *, loop: int, backend: str = "auto", launch=None):

@@ -8,7 +8,9 @@ tile [page_size, D] in the cache dtype. The running reconstruction stays in regi
 chain's first plane is decoded alone, each later delta is added and rounded to the cache
 dtype exactly as `decode_residual` (`add_in_dtype`) does, so the output is bit for bit
 `kvq_jax.cache.paged_cache.decode_pages` (NaNs compared as NaN). Intermediate loops are never
-written to memory.
+written to memory. An adaptive-exit cache's chain starts at loop 0 (loops stored absolute
+replace the running rows) and each row keeps its reconstruction once the chain passes its
+exit loop (the depth map's row of the page, loaded with the page).
 
 E4M3 arrays (NVFP4 block scales, FP8 codes) are bitcast to uint8 in XLA before the call and
 decoded from their bits in the kernel (`_tile_decode.e4m3_to_f32`), so no fp8 convert
@@ -37,8 +39,9 @@ def _as_bits(a):
     return a
 
 
-def _kernel(ids_ref, layer_ref, *refs, steps, fields, dtype, interpret):
+def _kernel(ids_ref, layer_ref, *refs, steps, fields, dtype, adaptive, interpret):
     *in_refs, out_ref = refs
+    depth_ref = in_refs.pop(0) if adaptive else None
     plane_refs, at = [], 0
     for n in fields:  # each plane's refs, in `_tile_decode.kernel_arrays` order
         plane_refs.append(in_refs[at : at + n])
@@ -63,19 +66,23 @@ def _kernel(ids_ref, layer_ref, *refs, steps, fields, dtype, interpret):
             return _tile_decode.load_intb_tile(refs_, lead, page, h, layer_ref[0], load_meta)
         return _tile_decode.load_tile(fmt, refs_, lead, page, h)
 
-    out_ref[...] = _tile_decode.reconstruct_tile(steps, load, dtype, interpret=interpret)
+    depth = None if depth_ref is None else depth_ref[page, :].astype(jnp.int32)[:, None]
+    out_ref[...] = _tile_decode.reconstruct_tile(steps, load, dtype, depth=depth,
+                                                 interpret=interpret)  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "interpret", "launch"))
-def decode_pages(planes, pages, layer=None, *, steps, interpret: bool = False, launch=None):
+def decode_pages(planes, pages, layer=None, depth=None, *, steps, interpret: bool = False,
+                 launch=None):  # fmt: skip
     """One loop of physical pages `pages` (int32 [N]) -> [N, page_size, H, D].
 
-    planes: the packed planes the loop's chain reads (`_tile_decode.chain_steps`): a base
-    plane has batch shape (P,), a later-loop plane (loops, P); steps: the chain's static plan
-    (same function); layer: the model layer (int32 scalar) whose table a per-layer INTB
-    plane reads (None: 0). Page ids are normalized as XLA indexing does (negative ids wrap once,
-    then clamp to [0, P)), so out-of-range ids read the same page as the reference instead
-    of stray memory. launch: the Triton launch parameters (None:
+    planes: the packed planes the loop's chain reads (`_tile_decode.chain_steps`): a base plane
+    has batch shape (P,), a later-loop plane (loops, P); steps: the chain's static plan (same
+    function); layer: the model layer (int32 scalar) whose table a per-layer INTB plane reads
+    (None: 0); depth: an adaptive-exit cache's depth map uint8 [P, page_size] (each row's exit
+    loop; the chain then starts at loop 0) or None. Page ids are normalized as XLA indexing does
+    (negative ids wrap once, then clamp to [0, P)), so out-of-range ids read the same page as
+    the reference instead of stray memory. launch: the Triton launch parameters (None:
     `kvq_jax.kernels.launch.page_reconstruct`).
     """
     first = planes[0]
@@ -88,6 +95,8 @@ def decode_pages(planes, pages, layer=None, *, steps, interpret: bool = False, l
         return jnp.zeros((0, ps, h, d), dtype)
     pages = jnp.clip(jnp.where(pages < 0, pages + num_pages, pages), 0, num_pages - 1)
     args = [pages, _tile_decode.layer_operand(layer)]
+    if depth is not None:
+        args.append(depth)
     for plane in planes:
         args += _tile_decode.kernel_arrays(plane, _as_bits)
     kernel = functools.partial(
@@ -95,6 +104,7 @@ def decode_pages(planes, pages, layer=None, *, steps, interpret: bool = False, l
         steps=steps,
         fields=tuple(len(_tile_decode.fields(plane.format)) for plane in planes),
         dtype=dtype,
+        adaptive=depth is not None,
         interpret=interpret,
     )
     compiler_params = None

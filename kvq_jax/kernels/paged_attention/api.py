@@ -49,19 +49,17 @@ def config_support(q, cache, block_tables, *, loop: int = 0, num_splits=None,
     argument). Reads shapes and static metadata only (ShapeDtypeStructs will do).
 
     Formats: INT4, INT2, INTB (one table or one per layer), NVFP4, FP8 E4M3 in any loop
-    (per-loop formats, absolute loops), values in HINT4 / HINT2 when every plane the
-    attended loop's value chain reads is rotated (attended in the rotated space, as the XLA
-    path does), and heavy rows (FORMAT.md 5a) over INT4 / INT2 / INTB (keys and values) or
-    HINT4 / HINT2 (values) with a power-of-two heavy group and the payload on token groups of
-    one heavy group (G - 1 rows, the default) or of one row, or on channel groups. Keys
-    stored before RoPE (`rope_theta`) get RoPE back in the kernel."""
+    (per-loop formats, absolute loops; adaptive exits: the depth map), values in HINT4 / HINT2 when
+    every plane the attended loop's value chain reads is rotated (attended in the rotated space,
+    as the XLA path does), and heavy rows (FORMAT.md 5a) over INT4 / INT2 / INTB (keys and
+    values) or HINT4 / HINT2 (values) with a power-of-two heavy group and the payload on token
+    groups of one heavy group (G - 1 rows, the default) or of one row, or on channel groups.
+    Keys stored before RoPE (`rope_theta`) get RoPE back in the kernel."""
     del block_tables
     config = cache.config
     if return_lse:
         return "return_lse: the kernel returns the output only (the XLA path returns both)"
     d, ps = config.head_dim, config.page_size
-    if config.adaptive_exit:
-        return "cache.config.adaptive_exit: the depth map is served by the XLA path"
     if d not in HEAD_DIMS:
         return f"cache.config.head_dim = {d} is not supported (kernel takes {HEAD_DIMS})"
     if ps not in PAGE_SIZES:

@@ -10,9 +10,10 @@ the attended pages ceil(seq_len / page_size):
     its KV head are dequantized (`_tile_decode.decode_tile`, bit-exact with the codecs),
     rounded to the cache dtype and taken through the loop's chain
     (`_tile_decode.reconstruct_tile`: from loop 0 or the last absolute loop at or before
-    `loop`, per-loop formats, each delta added with the rounding of `decode_residual`), so the
-    values attended are exactly `gather_batch`'s; HINT values stay in the rotated space (the
-    output is un-rotated once, as the XLA path does);
+    `loop`, per-loop formats, each delta added with the rounding of `decode_residual`; an
+    adaptive-exit cache's chain from loop 0, each row kept at its exit loop by the page's
+    depth map), so the values attended are exactly `gather_batch`'s; HINT values stay in the
+    rotated space (the output is un-rotated once, as the XLA path does);
     Heavy-row pages (FORMAT.md 5a) decode their payload rows straight into the page's rows
     and put the INT8 heavy rows in (`_tile_decode.load_heavy_tile`); over HINT values the
     heavy rows, plain, go to a second accumulator that is added after the un-rotation.
@@ -115,16 +116,18 @@ def _load_tile(ref, prefix: tuple, page, head):
 
 
 def _kernel(*refs, chains, rotated, plain_heavy, rope, stage_loop, dtype, page_size,
-            pages_per_split, use_dot, sink, interpret):  # fmt: skip
+            pages_per_split, use_dot, sink, adaptive, interpret):  # fmt: skip
     """chains: {"key"/"value": (steps, arrays per plane)}: each kind's loop chain
     (`_tile_decode.chain_steps`) and how many refs each of its planes takes. rotated: the
     values are attended in the rotated space (their staging and sink rows come rotated,
     float32). plain_heavy: the rotated value chain starts with heavy rows, attended into a
     second accumulator (plain space). rope: keys stored before RoPE (cos / sin tables [max
     positions, D / 2] follow the sink rows). stage_loop: {kind: the loop index of the
-    staging rows handed over}."""
+    staging rows handed over}. adaptive: the depth map uint8 [P, page_size] follows the
+    layer (adaptive exits)."""
     it = iter(refs)
     q_ref, tab_ref, lens_ref, stored_ref, sid_ref, layer_ref = (next(it) for _ in range(6))
+    depth_ref = next(it) if adaptive else None
     plane_refs = {
         kind: [[next(it) for _ in range(n)] for n in chains[kind][1]] for kind in ("key", "value")
     }
@@ -152,7 +155,9 @@ def _kernel(*refs, chains, rotated, plain_heavy, rope, stage_loop, dtype, page_s
             return {n: meta(r) for n, r in zip(_tile_decode.FIELDS[fmt], refs_, strict=True)}
 
         rot = rotated and kind == "value"
-        return reconstruct_tile(chains[kind][0], load, dtype, rotated=rot, interpret=interpret)
+        depth = None if depth_ref is None else depth_ref[page, :].astype(jnp.int32)[:, None]
+        return reconstruct_tile(chains[kind][0], load, dtype, rotated=rot, depth=depth,
+                                interpret=interpret)  # fmt: skip
 
     def sink_mask(i, width):
         """bool [ps, width]: the rows of logical page i that are sink rows."""
@@ -358,10 +363,13 @@ def paged_decode_attention(
         pages_per_split=pages_per_split,
         use_dot=use_dot,
         sink=config.sink,
+        adaptive=config.adaptive_exit,
         interpret=interpret,
     )
     layer = _tile_decode.layer_operand(cache.layer)
-    inputs = [qf, tables, jnp.asarray(seq_lens, jnp.int32), stored, slots, layer, *arrays]
+    inputs = [qf, tables, jnp.asarray(seq_lens, jnp.int32), stored, slots, layer]
+    inputs += [cache.depth] if config.adaptive_exit else []
+    inputs += arrays
     in_specs = [pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0))]
     in_specs += [pl.no_block_spec] * (len(inputs) - 1)
     acc_shape = jax.ShapeDtypeStruct((b, h, num_splits, rows, d), jnp.float32)
