@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -154,10 +156,12 @@ ADAPTIVE_KERNEL_CACHES = {
 }  # fmt: skip
 
 
+@functools.cache
 def adaptive_exit_cache(**overrides):
     """A 3-loop adaptive-exit cache (page 16, sink 2): two sequences of 45 and 21 tokens whose
     tokens exit after loop 0, 1 or 2 (their K/V in later loops are the exit loop's).
-    overrides: `PagedCacheConfig` fields (formats, head_dim, loops stored absolute)."""
+    overrides: `PagedCacheConfig` fields (formats, head_dim, loops stored absolute). Built once
+    per process and overrides (the arrays are immutable)."""
     import jax.numpy as jnp
 
     from kvq_jax.cache import paged_cache as jpc

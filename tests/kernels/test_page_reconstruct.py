@@ -508,9 +508,8 @@ def test_adaptive_comparison_catches_a_kernel_ignoring_the_depth_map(monkeypatch
     cache, pages = _adaptive_pages("int4-nvfp4")
     jax.clear_caches()
     try:
-        for loop in (1, 2):
-            got = decode_pages(cache, "key", pages, loop=loop, backend="pallas_interpret")
-            want = decode_pages(cache, "key", pages, loop=loop, backend="xla")
-            assert_same_values(got, want, f"planted defect, loop {loop}")
+        got = decode_pages(cache, "key", pages, loop=2, backend="pallas_interpret")
+        want = decode_pages(cache, "key", pages, loop=2, backend="xla")
+        assert_same_values(got, want, "planted defect")
     finally:
         jax.clear_caches()
