@@ -72,16 +72,19 @@ def bench(args, warmup: int, repeats: int) -> list[dict]:
             raise SystemExit(f"--tokens must be a multiple of {spec.page_size}")
         xla_s = None
         for backend in backends:
-            if backend != "xla" and api.config_support(spec.shape(1), spec.np_dtype, **spec.kwargs):
+            heavy = spec.heavy_group is not None
+            if backend != "xla" and api.config_support(spec.shape(1), spec.np_dtype,
+                                                       **spec.kwargs, rows=heavy):  # fmt: skip
                 continue
             num_pages = INTERPRET_PAGES if backend == "pallas_interpret" else (
                 args.tokens // spec.page_size
             )  # fmt: skip
             pages = jax.random.normal(key, spec.shape(num_pages), jnp.float32).astype(spec.np_dtype)
-            read, written = api.storage_bytes(pages.shape, pages.dtype, **spec.kwargs)
+            heavy_rows = spec.heavy_rows(num_pages)  # heavy-row values: the keys' rows
+            read, written = api.storage_bytes(pages.shape, pages.dtype, heavy_rows, **spec.kwargs)
 
-            def run(x, backend=backend, spec=spec):
-                return pack_paged(x, **spec.kwargs, backend=backend)
+            def run(x, backend=backend, spec=spec, heavy_rows=heavy_rows):
+                return pack_paged(x, **spec.kwargs, backend=backend, rows=heavy_rows)
 
             t = _timing.median_time(run, pages, warmup=warmup, repeats=repeats, budget_s=3.0)
             if backend == "xla":

@@ -489,13 +489,13 @@ def _build_page_pack(cfg: KernelConfig, knobs: Knobs):
         spec.format, spec.kind, spec.shape(1)[1:], spec.axis, spec.group_size
     )
 
-    def fn(pages):
+    def fn(pages, rows):
         return pallas_triton.pack_paged(
             pages, kind=spec.kind, format=spec.format, axis=axis, group_size=group_size,
-            interpret=False, launch=knobs.launch,
+            interpret=False, launch=knobs.launch, rows=rows,
         )  # fmt: skip
 
-    return fn, (spec.shape_dtype_struct(5),)
+    return fn, (spec.shape_dtype_struct(5), spec.rows_struct(5))
 
 
 def _build_page_reconstruct(cfg: KernelConfig, knobs: Knobs):

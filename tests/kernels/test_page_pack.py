@@ -31,10 +31,13 @@ from kvq_jax.cache.paged import pack_paged, resolve_paged
 from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache
 from kvq_jax.codecs.api import pack_kv, unpack_kv
 from kvq_jax.codecs.cache_state import codec_view
+from kvq_jax.codecs.formats.heavy_rows import register_heavy
+from kvq_jax.codecs.heavy import pack_heavy
 from kvq_jax.codecs.residual import encode_residual
 from kvq_jax.core import registry
 from kvq_jax.kernel_checks.arg_specs import page_pack as arg_specs
 from kvq_jax.kernels import backend as kernel_backend
+from kvq_jax.kernels._tile_decode import heavy_layout
 from kvq_jax.kernels.jax_compat import lower_for_gpu
 from kvq_jax.kernels.page_pack import api, config_support, pallas_triton
 from kvq_jax.kernels.page_pack import xla as page_pack_xla
@@ -247,6 +250,78 @@ def test_int2_comparison_catches_codes_packed_in_the_wrong_order(monkeypatch):
     _compare_planted("int2", "pallas_interpret")
 
 
+# -- heavy-row values ---------------------------------------------------------------------------
+
+
+def heavy_reference(spec, pages, rows) -> dict:
+    """`pack_heavy` (kvq_jax.codecs.heavy) of each page alone with its rows, stacked, as the
+    `PackedKV` fields of a heavy-row page plane."""
+    heavy = heavy_layout(spec.format)
+    axis, group_size = resolve_paged(spec.format, spec.kind, pages.shape[1:], spec.axis,
+                                     spec.group_size)  # fmt: skip
+    each = []
+    for page, r in zip(pages, rows, strict=True):
+        hk = pack_heavy(
+            page, r, kind=spec.kind, format=heavy.base.name, group_size=heavy.heavy_group,
+            base_group_size=group_size, axis=axis,
+        )  # fmt: skip
+        each.append({**hk.payload.arrays, "heavy_rows": hk.rows, "heavy_codes": hk.codes,
+                     "heavy_minimum": hk.minimum, "heavy_scale": hk.scale})  # fmt: skip
+    return jax.tree.map(lambda *a: jnp.stack(a), *each)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("spec", arg_specs.HEAVY_SPECS[::2], ids=lambda s: s.name)
+def test_heavy_values_match_pack_heavy(spec, backend):
+    """Heavy-row value pages (the rows handed in: random, a group's first and last row, an
+    index past the group) equal `pack_heavy` of each page, on the edge pages (NaN, inf,
+    signed zeros, subnormal and overflowing rows)."""
+    pages, rows = jnp.asarray(edge_pages(spec)), spec.heavy_rows(NUM_EDGE_PAGES)
+    got = pack_paged(pages, **spec.kwargs, rows=rows, backend=backend)
+    assert_trees_same_bytes(got.arrays, heavy_reference(spec, pages, rows), spec.name)
+    assert got.format == spec.format and got.shape == tuple(pages.shape[1:])
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_heavy_comparison_catches_a_wrong_heavy_row_code(monkeypatch):
+    """The kernel quantizing the heavy rows with 127 levels instead of 255."""
+    monkeypatch.setattr(pallas_triton, "HEAVY_LEVELS", np.float32(127.0))
+    spec = arg_specs.HEAVY_SPECS[0]
+    pages, rows = jnp.asarray(edge_pages(spec)), spec.heavy_rows(NUM_EDGE_PAGES)
+    jax.clear_caches()
+    try:
+        got = pack_paged(pages, **spec.kwargs, rows=rows, backend="pallas_interpret")
+        assert_trees_same_bytes(got.arrays, heavy_reference(spec, pages, rows), "planted")
+    finally:
+        jax.clear_caches()
+
+
+def test_heavy_kernel_matches_oracle():
+    """Heavy rows over HINT4 (G 8, channel groups of 16) against the plain-Python oracle."""
+    spec = arg_specs.PagePackSpec(register_heavy("hint4", 8), "value", 16, 2, 16, "bfloat16", 16)
+    pages = edge_pages(spec, seed=3)
+    rows = spec.heavy_rows(len(pages), seed=1)
+    got = pack_paged(jnp.asarray(pages), **spec.kwargs, rows=rows, backend="pallas_interpret")
+    for i, page in enumerate(pages):
+        want = oracle.pack_heavy(page, np.asarray(rows[i]), format="hint4", kind="value",
+                                 group_size=8, base_group_size=16, axis="channels")  # fmt: skip
+        expected = {**want.payload.arrays, **{f"heavy_{n}": a for n, a in want.arrays.items()}}
+        assert_packed_equal(jax.tree.map(lambda a, i=i: a[i], got), expected, f"page {i}")
+
+
+def test_heavy_rows_arguments():
+    spec = arg_specs.HEAVY_SPECS[0]
+    pages = jnp.zeros(spec.shape(2), spec.np_dtype)
+    assert "takes the heavy rows" in config_support(pages.shape, pages.dtype, **spec.kwargs)
+    with pytest.raises(ValueError, match="rows must be an integer array"):
+        pack_paged(pages, **spec.kwargs, rows=jnp.zeros((2, 2, 2), jnp.uint8))
+    with pytest.raises(ValueError, match="stores no heavy rows"):
+        pack_paged(pages, kind="value", rows=jnp.zeros((2, 1, 2), jnp.uint8))
+    keys = register_heavy("int4", 64)  # keys' heavy rows: payload on token groups
+    assert "on channel groups" in config_support(pages.shape, pages.dtype, kind="key",
+                                                 format=keys, rows=True)  # fmt: skip
+
+
 # -- oracle -----------------------------------------------------------------------------------
 
 
@@ -300,16 +375,17 @@ def test_kernel_lowers_for_cuda(spec):
     axis, group_size = resolve_paged(
         spec.format, spec.kind, spec.shape(1)[1:], spec.axis, spec.group_size
     )
-    assert config_support(spec.shape(5), spec.np_dtype, **spec.kwargs) is None
-    kernel = functools.partial(
-        pallas_triton.pack_paged,
-        kind=spec.kind,
-        format=spec.format,
-        axis=axis,
-        group_size=group_size,
-        interpret=False,
-    )
-    lowered = lower_for_gpu(kernel, spec.shape_dtype_struct(5))
+    rows = spec.rows_struct(5)  # heavy-row values: their rows handed in
+    heavy = rows is not None
+    assert config_support(spec.shape(5), spec.np_dtype, **spec.kwargs, rows=heavy) is None
+
+    def kernel(pages, rows):
+        return pallas_triton.pack_paged(
+            pages, kind=spec.kind, format=spec.format, axis=axis, group_size=group_size,
+            interpret=False, rows=rows,
+        )  # fmt: skip
+
+    lowered = lower_for_gpu(kernel, spec.shape_dtype_struct(5), rows)
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1  # one fused kernel per call
     assert "num_warps" in text
@@ -320,6 +396,13 @@ def test_kernel_lowers_for_cuda(spec):
 def test_compiled_kernel_matches_xla_on_gpu(spec):
     if not ON_GPU:
         pytest.skip(kernel_backend.pallas_device_support())
+    if spec.heavy_group is not None:
+        pages, rows = jnp.asarray(edge_pages(spec)), spec.heavy_rows(NUM_EDGE_PAGES)
+        expected = heavy_reference(spec, pages, rows)
+        for backend in ("pallas", "auto"):
+            got = pack_paged(pages, **spec.kwargs, rows=rows, backend=backend)
+            assert_trees_same_bytes(got.arrays, expected, backend)
+        return
     pages, expected = reference_packed(spec)
     assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend="pallas"), expected)
     assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend="auto"), expected)

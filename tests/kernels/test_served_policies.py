@@ -15,6 +15,7 @@ import pytest
 
 from kvq_jax.engine import Engine, QuantizedStore
 from kvq_jax.kernels import page_pack, page_reconstruct
+from kvq_jax.kernels._tile_decode import heavy_layout
 from kvq_jax.kernels.paged_attention import config_support
 from kvq_jax.models import load_model
 from kvq_jax.models.loading import MissingPackages
@@ -60,8 +61,8 @@ def _caches(model_name, policy, loops, threshold=None):
 def test_policy_attends_through_the_kernels(model_name, policy, loops):
     """Decode attention's kernel takes every loop; page reconstruction's every plane (HINT and
     heavy rows over HINT un-rotated in the tile); page packing's every plane of every loop
-    (INT4, INT2, HINT4, HINT2) but INTB keys and heavy rows, which it declines by name and the
-    XLA path packs."""
+    (INT4, INT2, HINT4, HINT2, heavy-row values with the rows their keys chose) but INTB keys
+    (heavy or not), which it declines by name and the XLA path packs."""
     caches, q, tables = _caches(model_name, policy, loops)
     for cache in caches:
         c = cache.config
@@ -73,13 +74,15 @@ def test_policy_attends_through_the_kernels(model_name, policy, loops):
             for loop in range(loops):
                 args = c.loop_pack_args(kind, loop)
                 fmt = args["format"]
+                heavy = heavy_layout(fmt)
                 reason = page_pack.config_support(
                     (1, c.page_size, c.num_heads, c.head_dim), c.dtype, kind=kind, format=fmt,
-                    group_size=args["group_size"], axis=args["axis"],
+                    group_size=args["group_size"], axis=args["axis"], rows=heavy is not None,
                 )  # fmt: skip
-                on_xla = fmt.startswith(("intb", "heavy"))
+                base = fmt if heavy is None else heavy.base.name
+                on_xla = base.startswith("intb")  # INTB keys (heavy or not)
                 assert (reason is not None) == on_xla, (policy, kind, loop, fmt, reason)
-                assert not on_xla or f"format {fmt!r} has no page-pack kernel" in reason
+                assert not on_xla or repr(fmt if heavy is None else base) in reason
 
 
 def test_adaptive_exits_take_the_kernels():

@@ -5,10 +5,14 @@ A `PagePackSpec` is one configuration (format, kind, page shape, dtype, group si
 
   SPECS        every supported configuration the tests lower for CUDA and compare on a GPU:
                each format variant x page size 16 / 32 / 64 x head dim 64 / 128, the input
-               dtype cycling through bf16 / fp16 / fp32.
+               dtype cycling through bf16 / fp16 / fp32; then HEAVY_SPECS.
+  HEAVY_SPECS  heavy-row values (FORMAT.md 5a; the rows handed in, `heavy_rows`): the best
+               policy's heavy64-hint4 at 64-token pages, and heavy16-int2 (several heavy
+               groups per page, four codes per byte), both head dims.
   SMALL_SPECS  one configuration per format variant (each dtype at least once), small
                enough for interpret mode on a CPU.
-  BENCH_SPECS  Ouro-like pages for the benchmark: page 16 / 32 / 64, H 16, D 128, bf16.
+  BENCH_SPECS  Ouro-like pages for the benchmark: page 16 / 32 / 64, H 16, D 128, bf16 (and
+               heavy64-hint4 values at page 64).
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import dataclasses
 import itertools
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from kvq_jax.codecs.formats.heavy_rows import register_heavy
 
 DTYPES = ("bfloat16", "float16", "float32")
 PAGE_SIZES = (16, 32, 64)
@@ -75,6 +82,33 @@ class PagePackSpec:
         return jax.ShapeDtypeStruct(self.shape(num_pages), self.np_dtype)
 
     @property
+    def heavy_group(self) -> int | None:
+        """G of a heavy-row format (its rows are handed in), else None."""
+        from kvq_jax.kernels._tile_decode import heavy_layout
+
+        layout = heavy_layout(self.format)
+        return None if layout is None else layout.heavy_group
+
+    def rows_struct(self, num_pages: int) -> jax.ShapeDtypeStruct | None:
+        """The heavy rows' uint8 [P, page_size / G, H] (None for other formats)."""
+        if self.heavy_group is None:
+            return None
+        shape = (num_pages, self.page_size // self.heavy_group, self.num_heads)
+        return jax.ShapeDtypeStruct(shape, jnp.uint8)
+
+    def heavy_rows(self, num_pages: int, seed: int = 0):
+        """Seeded heavy rows for `num_pages` pages (None for other formats): random rows, and
+        in the first pages a group's first row, its last row and an index past the group
+        (clamped to the last row, FORMAT.md 5a)."""
+        struct = self.rows_struct(num_pages)
+        if struct is None:
+            return None
+        rows = np.random.default_rng(seed).integers(0, self.heavy_group, struct.shape)
+        rows[0, 0, 0], rows[min(1, num_pages - 1), -1, -1] = self.heavy_group - 1, 0
+        rows[min(2, num_pages - 1), 0, -1] = 255
+        return jnp.asarray(rows.astype(np.uint8))
+
+    @property
     def name(self) -> str:
         group = "" if self.group_size is None else f"-g{self.group_size}"
         axis = "" if self.axis is None else f"-{self.axis}"
@@ -92,24 +126,34 @@ def _specs() -> tuple[PagePackSpec, ...]:
     )
 
 
-SPECS = _specs()
+HEAVY_SPECS = (
+    PagePackSpec(register_heavy("hint4", 64), "value", 64, 2, 64, "bfloat16"),
+    PagePackSpec(register_heavy("hint4", 64), "value", 64, 2, 128, "float32"),
+    PagePackSpec(register_heavy("int2", 16), "value", 32, 2, 64, "float16"),
+    PagePackSpec(register_heavy("int2", 16), "value", 64, 2, 128, "bfloat16"),
+)
+
+SPECS = _specs() + HEAVY_SPECS
 
 SMALL_SPECS = tuple(
     PagePackSpec(fmt, kind, 16, 2, 64, dtype, group, axis)
     for (fmt, kind, group, axis), dtype in zip(VARIANTS, itertools.cycle(DTYPES), strict=False)
 )
 
-BENCH_SPECS = tuple(
-    PagePackSpec(fmt, kind, ps, 16, 128, "bfloat16", group)
-    for ps in PAGE_SIZES
-    for fmt, kind, group in (
-        ("int4", "key", None),
-        ("int4", "value", None),
-        ("hint4", "value", None),
-        ("nvfp4", "key", None),
-        ("nvfp4", "value", None),
-        ("fp8_e4m3", "key", None),
-        ("int2", "key", None),
-        ("hint2", "value", None),
-    )
+BENCH_SPECS = (
+    *(
+        PagePackSpec(fmt, kind, ps, 16, 128, "bfloat16", group)
+        for ps in PAGE_SIZES
+        for fmt, kind, group in (
+            ("int4", "key", None),
+            ("int4", "value", None),
+            ("hint4", "value", None),
+            ("nvfp4", "key", None),
+            ("nvfp4", "value", None),
+            ("fp8_e4m3", "key", None),
+            ("int2", "key", None),
+            ("hint2", "value", None),
+        )
+    ),
+    PagePackSpec(register_heavy("hint4", 64), "value", 64, 16, 128, "bfloat16"),
 )

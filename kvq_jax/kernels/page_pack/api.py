@@ -8,7 +8,10 @@ that have validated and resolved the arguments already (the paged cache's append
 
 The kernel takes (`config_support` says why not otherwise):
   - formats int4, int2, hint4 / hint2 (INT4 / INT2 of rows rotated in registers), nvfp4 and
-    fp8_e4m3 (INTB, heavy rows and a codec registered by a user run on XLA);
+    fp8_e4m3; heavy rows (FORMAT.md 5a) over INT4 / INT2 / HINT4 / HINT2 on channel groups
+    (values) given their rows (`dispatch(rows=...)`: the paged cache's append hands in the
+    rows the keys chose); INTB, heavy rows on token groups (keys) and a codec registered by a
+    user run on XLA;
   - page_size and D powers of two (Triton blocks), D >= 2 (two codes per byte; INT2 / HINT2:
     D >= 4, four codes per byte), and a
     [page_size, D] head tile of at most MAX_TILE_ELEMENTS elements (registers); any H;
@@ -28,21 +31,35 @@ from kvq_jax.codecs.packed import PackedKV
 from kvq_jax.core import checks
 from kvq_jax.core.cache_config import resolve_paged
 from kvq_jax.core.layouts import is_power_of_two
+from kvq_jax.kernels import _tile_decode
 from kvq_jax.kernels import backend as _backend
 from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.page_pack import pallas_triton, xla
 
 #: Formats the kernel implements.
 KERNEL_FORMATS = ("int4", "int2", "hint4", "hint2", "nvfp4", "fp8_e4m3")
+#: Bases of heavy-row formats the kernel packs (on channel groups: each payload row alone).
+HEAVY_BASES = ("int4", "int2", "hint4", "hint2")
 #: Largest page_size * D the kernel takes (one head tile in registers: 32 K elements).
 MAX_TILE_ELEMENTS = 2**15
 
 
-def _reason(page_shape, format: str, axis: str, group_size: int) -> str | None:
+def _reason(page_shape, format: str, axis: str, group_size: int, rows: bool = False) -> str | None:
     """Why the kernel cannot pack pages of `page_shape` = (page_size, H, D) with the resolved
-    (format, axis, group_size), or None."""
+    (format, axis, group_size), or None; rows: the call hands in each page's heavy rows."""
     page_size, _, d = page_shape
-    if format not in KERNEL_FORMATS:
+    heavy = _tile_decode.heavy_layout(format)
+    if heavy is not None:
+        base = heavy.base.name
+        if base not in HEAVY_BASES or axis != "channels":
+            return (
+                f"format {format!r}: the kernel packs heavy rows over {HEAVY_BASES} on channel "
+                f"groups (values), not over {base!r} on axis {axis!r}"
+            )
+        if not rows:
+            return f"format {format!r}: the kernel takes the heavy rows (rows), not a table"
+        format = base
+    elif format not in KERNEL_FORMATS:
         return f"format {format!r} has no page-pack kernel (kernels: {KERNEL_FORMATS})"
     if not is_power_of_two(page_size):
         return f"page_size {page_size} (pages.shape[1]) is not a power of two"
@@ -67,16 +84,19 @@ def config_support(
     format: str = "int4",
     group_size: int | None = None,
     axis: str | None = None,
+    rows: bool = False,
 ) -> str | None:
     """None when the page-pack kernel takes this `pack_paged` call, else the reason.
 
     pages_shape / dtype: those of `pages` [P, page_size, H, D]; the other arguments as for
-    `pack_paged`. Invalid arguments raise as `pack_paged` would (ValueError / TypeError).
+    `pack_paged`; rows: the call hands in each page's heavy rows (as the paged cache's
+    append does for heavy-row values). Invalid arguments raise as `pack_paged` would
+    (ValueError / TypeError).
     """
     pages = jax.ShapeDtypeStruct(tuple(pages_shape), dtype)
     _, page_size, h, d = checks.check_pages(pages)
     axis, group_size = resolve_paged(format, kind, (page_size, h, d), axis, group_size)
-    return _reason((page_size, h, d), format, axis, group_size)
+    return _reason((page_size, h, d), format, axis, group_size, rows)
 
 
 def dispatch(
@@ -84,10 +104,11 @@ def dispatch(
     layer=None, rows=None,
 ):  # fmt: skip
     """`pack_paged` for validated pages and resolved (axis, group_size): picks the backend
-    and runs it (traceable). rows: the heavy rows of each page for a heavy-row format that
-    takes them (`xla.pack_paged`; the kernel declines heavy-row formats)."""
+    and runs it (traceable). rows: uint8 [P, page_size / G, H], the heavy rows of each page
+    for a heavy-row format that takes them (the values': those chosen from the keys)."""
     page_shape = tuple(pages.shape[1:])
-    impl = _backend.resolve_backend(backend, _reason(page_shape, format, axis, group_size))
+    why = _reason(page_shape, format, axis, group_size, rows is not None)
+    impl = _backend.resolve_backend(backend, why)
     if impl == "xla" or pages.shape[0] == 0:  # nothing to launch for zero pages
         return xla.pack_paged(pages, kind=kind, format=format, group_size=group_size, axis=axis,
                               layer=layer, rows=rows)  # fmt: skip
@@ -101,6 +122,7 @@ def dispatch(
         group_size=group_size,
         interpret=impl == "pallas_interpret",
         launch=launch,
+        rows=rows,
     )
 
 
@@ -117,6 +139,7 @@ def pack_paged(
     backend: str = "auto",
     launch: _launch.Launch | None = None,
     layer=None,
+    rows=None,
 ) -> PackedKV:
     """Pack every page of `pages` [P, page_size, H, D] on its own (`kvq_jax.cache.paged`).
 
@@ -132,26 +155,38 @@ def pack_paged(
         of `kvq_jax.kernels.launch.page_pack`. Ignored by XLA.
       layer: the model layer (int or int32 scalar) of a format with one table per layer
         (`pack_kv`'s layer; served by XLA); ignored by the other formats.
+      rows: integer [P, page_size / G, H], each page's heavy rows for a heavy-row format
+        (FORMAT.md 5a; values take the rows their keys chose), else None.
 
     Returns:
       A `PackedKV` whose arrays carry a leading page axis (`batch_shape == (P,)`), the same
       bytes from every backend. Every argument is checked while tracing, never the data.
     """
     pages = jnp.asarray(pages)
-    _, page_size, h, d = checks.check_pages(pages)
+    p, page_size, h, d = checks.check_pages(pages)
     axis, group_size = resolve_paged(format, kind, (page_size, h, d), axis, group_size)
+    if rows is not None:
+        heavy = _tile_decode.heavy_layout(format)
+        if heavy is None:
+            raise ValueError(f"rows: format {format!r} stores no heavy rows")
+        rows = jnp.asarray(rows)
+        want = (p, page_size // heavy.heavy_group, h)
+        if rows.shape != want or not jnp.issubdtype(rows.dtype, jnp.integer):
+            raise ValueError(f"rows must be an integer array {want}, got {rows.dtype} "
+                             f"{rows.shape}")  # fmt: skip
+        rows = rows.astype(jnp.uint8)
     return dispatch(
         pages, kind=kind, format=format, group_size=group_size, axis=axis, backend=backend,
-        launch=_launch.check_launch(launch), layer=layer,
+        launch=_launch.check_launch(launch), layer=layer, rows=rows,
     )  # fmt: skip
 
 
-def storage_bytes(pages_shape, dtype, **kwargs) -> tuple[int, int]:
+def storage_bytes(pages_shape, dtype, rows=None, **kwargs) -> tuple[int, int]:
     """(bytes read, bytes written) by one `pack_paged` call: the pages, and every packed array
-    (the effective-bandwidth numerator of the benchmark; NVFP4's second read of each page is
-    not counted)."""
+    (the effective-bandwidth numerator of the benchmark; NVFP4's second read of each page and
+    the heavy rows handed in are not counted)."""
     pages = jax.ShapeDtypeStruct(tuple(pages_shape), dtype)
-    out = jax.eval_shape(functools.partial(pack_paged, backend="xla", **kwargs), pages)
+    out = jax.eval_shape(functools.partial(pack_paged, backend="xla", **kwargs), pages, rows=rows)
     read = int(np.prod(pages_shape)) * np.dtype(dtype).itemsize
     written = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(out))
     return read, written

@@ -1,5 +1,5 @@
-"""Page pack as Pallas kernels (Triton backend): INT4, INT2, HINT4, HINT2, NVFP4 and FP8 E4M3
-pages in one call.
+"""Page pack as Pallas kernels (Triton backend): INT4, INT2, HINT4, HINT2, NVFP4, FP8 E4M3 and
+heavy-row value pages in one call.
 
 Input: pages [P, page_size, H, D] (bf16 / fp16 / fp32). Output: the arrays `pack_paged`
 returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call:
@@ -10,6 +10,11 @@ returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call
   every output byte written once). INT2 is INT4's arithmetic with 3 levels (FORMAT.md 2a).
   HINT4 / HINT2 are INT4 / INT2 of the tile's rows rotated in registers first (FORMAT.md 2c,
   `_tile_decode.rotate_tile`: the butterfly's IEEE adds, each flushed).
+- Heavy-row values (FORMAT.md 5a) over INT4 / INT2 / HINT4 / HINT2 on channel groups: grid
+  (P, H), whole-array refs. The rows are handed in (the keys chose them); each payload row is
+  quantized on its own, so the tile's rows are gathered around each heavy row, quantized
+  (rotated first for HINT) and scattered to their payload rows; the heavy rows are gathered
+  and stored INT8 (plain).
 - NVFP4: grid (P,). Every page has its own global scale, which needs the amax over the whole
   page (all heads) before any block scale can be rounded. A program owns one page and loops
   over its heads twice (`lax.fori_loop`): pass 1 reads each [page_size, D] head tile for the
@@ -56,6 +61,7 @@ from kvq_jax.core.constants import (
     NVFP4_GROUP_SIZE,
     NVFP4_ONE_SIXTH,
 )
+from kvq_jax.core.heavy import HEAVY_LEVELS
 from kvq_jax.kernels import _exact, _tile_decode
 from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.launch import Launch
@@ -146,14 +152,10 @@ _AFFINE = {
 }
 
 
-def _affine_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, format,
-                   interpret):  # fmt: skip
-    """INT4 / INT2 of a [T, D] head tile (FORMAT.md 2, 2a); HINT4 / HINT2 (2c): of the rows
-    rotated in registers first (`_tile_decode.rotate_tile`)."""
-    levels, bits, rotate = _AFFINE[format]
-    x = _numerics.widen(x_ref[...])  # [T, D]
-    if rotate:
-        x = _tile_decode.rotate_tile(x, interpret=interpret)
+def _affine(x, axis: str, group_size: int, levels, *, interpret):
+    """INT4's arithmetic (FORMAT.md 2) with `levels` (15, 3, or 255 for heavy rows) on a float32
+    [R, D] tile: (int32 codes [R, D], float16 minimum and scale per group: [R / G, D] on axis
+    tokens, [R, D / G] on channels; NaN and codes 0 for a group holding inf or NaN)."""
     xg, member = _grouped(x, axis, group_size)
     nonfinite = jnp.max(_is_nonfinite(xg).astype(jnp.int32), axis=member, keepdims=True)
     finite = nonfinite == 0
@@ -174,9 +176,82 @@ def _affine_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size
     )
     codes = jnp.where(q >= 0, jnp.minimum(q, levels), np.float32(0.0))  # NaN -> 0
     codes = jnp.where(finite, codes, np.float32(0.0)).astype(jnp.int32).reshape(x.shape)
-    codes_ref[...] = _pack_nibbles(codes) if bits == 4 else _pack_2bit(codes)
-    minimum_ref[...] = _f16_bits(jnp.squeeze(mn, member), jnp.squeeze(nonfinite, member) != 0)
-    scale_ref[...] = _f16_bits(jnp.squeeze(scale, member), jnp.squeeze(nonfinite, member) != 0)
+    nan = jnp.squeeze(nonfinite, member) != 0
+    minimum, scale = (_f16_bits(jnp.squeeze(a, member), nan) for a in (mn, scale))
+    return codes, minimum, scale
+
+
+def _codes_bytes(codes, bits: int):
+    """int32 codes [R, D] -> uint8 [R, D * bits / 8] (two or four codes per byte)."""
+    return _pack_nibbles(codes) if bits == 4 else _pack_2bit(codes)
+
+
+def _affine_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size, format,
+                   interpret):  # fmt: skip
+    """INT4 / INT2 of a [T, D] head tile (FORMAT.md 2, 2a); HINT4 / HINT2 (2c): of the rows
+    rotated in registers first (`_tile_decode.rotate_tile`)."""
+    levels, bits, rotate = _AFFINE[format]
+    x = _numerics.widen(x_ref[...])  # [T, D]
+    if rotate:
+        x = _tile_decode.rotate_tile(x, interpret=interpret)
+    codes, minimum, scale = _affine(x, axis, group_size, levels, interpret=interpret)
+    codes_ref[...] = _codes_bytes(codes, bits)
+    minimum_ref[...] = minimum
+    scale_ref[...] = scale
+
+
+# -- heavy rows over INT4 / INT2 / HINT4 / HINT2 on channel groups --------------------------------
+
+
+def _heavy_kernel(x_ref, rows_ref, codes_ref, minimum_ref, scale_ref, heavy_rows_ref,
+                  heavy_codes_ref, heavy_minimum_ref, heavy_scale_ref, *, base, group_size,
+                  heavy_group, interpret):  # fmt: skip
+    """Heavy rows (FORMAT.md 5a) of one (page, head): refs are whole arrays ([P, T, H, D]
+    pages, [P, T / G, H] rows, the PackedKV's arrays), read and written by index.
+
+    Each payload row is quantized on its own (channel groups), so the payload is the tile's
+    rows gathered around the heavy row and scattered to their payload rows: row i of heavy
+    group k goes to payload row k*(G-1) + i - (i > r_k); the heavy row's own lane reads and
+    writes its neighbour's row (r_k + 1, or r_k - 1 for the last row), the same bytes to the
+    same place, so every lane stores. The heavy rows: INT8 of the plain row (not rotated)."""
+    levels, bits, rotate = _AFFINE[base]
+    p, h = pl.program_id(0), pl.program_id(1)
+    _, t_len, _, d = x_ref.shape
+    g = heavy_group
+    n = t_len // g
+
+    def grid(index, cols):
+        """(rows [R, cols], columns [R, cols]) indices of a gather / scatter of `cols` columns."""
+        r = jnp.broadcast_to(index, (index.shape[0], cols))
+        return r, lax.broadcasted_iota(jnp.int32, (index.shape[0], cols), 1)
+
+    t = lax.broadcasted_iota(jnp.int32, (t_len, 1), 0)
+    group, i = t // g, t % g
+    r = jnp.minimum(rows_ref[(p, group, h)].astype(jnp.int32), g - 1)  # [T, 1], as split_heavy
+    last = r == g - 1
+    src = jnp.where(i == r, jnp.where(last, t - 1, t + 1), t)
+    skip = jnp.where(i == r, last.astype(jnp.int32), (i > r).astype(jnp.int32))
+    dest = group * (g - 1) + i - skip
+    rows_, cols = grid(src, d)
+    x = _numerics.widen(x_ref[(p, rows_, h, cols)])  # [T, D]
+    if rotate:
+        x = _tile_decode.rotate_tile(x, interpret=interpret)
+    codes, minimum, scale = _affine(x, "channels", group_size, levels, interpret=interpret)
+    for ref, tile in ((codes_ref, _codes_bytes(codes, bits)), (minimum_ref, minimum),
+                      (scale_ref, scale)):  # fmt: skip
+        rows_, cols = grid(dest, tile.shape[1])
+        ref[(p, rows_, h, cols)] = tile
+
+    k = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+    heavy = jnp.minimum(rows_ref[(p, k, h)].astype(jnp.int32), g - 1)  # [n, 1]
+    rows_, cols = grid(k * g + heavy, d)
+    hx = _numerics.widen(x_ref[(p, rows_, h, cols)])  # [n, D], plain
+    hcodes, hmin, hscale = _affine(hx, "channels", d, HEAVY_LEVELS, interpret=interpret)
+    rows_, cols = grid(k, d)
+    heavy_codes_ref[(p, rows_, h, cols)] = hcodes.astype(jnp.uint8)
+    heavy_minimum_ref[(p, k, h)] = hmin
+    heavy_scale_ref[(p, k, h)] = hscale
+    heavy_rows_ref[(p, k, h)] = heavy.astype(jnp.uint8)
 
 
 # -- FP8 E4M3 ---------------------------------------------------------------------------------
@@ -321,6 +396,38 @@ def _pack_affine(pages, format, axis, group_size, interpret, launch):
     return {"codes": codes, "minimum": minimum, "scale": scale}
 
 
+def _pack_heavy(pages, rows, format, group_size, interpret, launch):
+    p, t, h, d = pages.shape
+    heavy = _tile_decode.heavy_layout(format)
+    g, base = heavy.heavy_group, heavy.base.name
+    n, m = t // g, d // group_size
+    width = d * _AFFINE[base][1] // 8
+    sds = jax.ShapeDtypeStruct
+    kernel = functools.partial(_heavy_kernel, base=base, group_size=group_size, heavy_group=g,
+                               interpret=interpret)  # fmt: skip
+    out_shape = [
+        sds((p, t - n, h, width), jnp.uint8),
+        sds((p, t - n, h, m), jnp.float16),
+        sds((p, t - n, h, m), jnp.float16),
+        sds((p, n, h), jnp.uint8),
+        sds((p, n, h, d), jnp.uint8),
+        sds((p, n, h), jnp.float16),
+        sds((p, n, h), jnp.float16),
+    ]
+    arrays = _call(
+        kernel,
+        grid=(p, h),
+        in_specs=[pl.no_block_spec] * 2,
+        out_specs=[pl.no_block_spec] * len(out_shape),
+        out_shape=out_shape,
+        interpret=interpret,
+        launch=launch,
+    )(pages, jnp.asarray(rows, jnp.uint8))
+    names = ("codes", "minimum", "scale", "heavy_rows", "heavy_codes", "heavy_minimum",
+             "heavy_scale")  # fmt: skip
+    return dict(zip(names, arrays, strict=True))
+
+
 def _pack_nvfp4(pages, axis, interpret, launch):
     p, t, h, d = pages.shape
     mt, md = _meta_block(axis, t, d, NVFP4_GROUP_SIZE)
@@ -367,14 +474,17 @@ def _pack_fp8(pages, interpret, launch):
 
 def pack_paged(
     pages, *, kind: str, format: str, axis: str, group_size: int, interpret: bool,
-    launch: Launch | None = None,
+    launch: Launch | None = None, rows=None,
 ) -> PackedKV:  # fmt: skip
     """Validated pages [P, page_size, H, D] (a configuration `api.config_support` accepts,
     axis and group_size resolved) -> the `PackedKV` that `pack_paged` returns; `launch`: the
-    Triton launch parameters (None: the rule of `kvq_jax.kernels.launch.page_pack`)."""
+    Triton launch parameters (None: the rule of `kvq_jax.kernels.launch.page_pack`); rows:
+    uint8 [P, page_size / G, H], the heavy rows of each page (heavy-row formats)."""
     if launch is None:
         launch = _launch.page_pack(pages.shape[1], pages.shape[3], format)
-    if format in _AFFINE:
+    if _tile_decode.heavy_layout(format) is not None:
+        arrays = _pack_heavy(pages, rows, format, group_size, interpret, launch)
+    elif format in _AFFINE:
         arrays = _pack_affine(pages, format, axis, group_size, interpret, launch)
     elif format == "nvfp4":
         arrays = _pack_nvfp4(pages, axis, interpret, launch)
