@@ -206,6 +206,25 @@ def test_the_best_policy_through_the_kernels_matches_the_reference(monkeypatch):
     assert packed and all(c["rows"] is not None and c["kind"] == "value" for c in packed)
 
 
+def test_intb_keys_through_the_kernels_match_the_reference(monkeypatch):
+    """INTB keys with per-layer tables of two widths (W = 32 and 48 bytes, one format per
+    layer; loop 1 an INTB delta) and HINT4 values on 2-loop Ouro through the kernels: the key
+    pages pack in the kernel (each layer's stream maps), reconstruct in it for loop 1's deltas
+    and are attended in it; 16 decode steps against the page-by-page reference."""
+    from kvq_jax.core import calibration
+    from kvq_jax.core.policies import Policy
+
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test")
+    monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
+    policy = Policy("intb-g16", "intb", "intb", group_size=16, v_base_format="hint4",
+                    v_residual_format="hint4", key_tables="tiny")  # fmt: skip
+    calls = _through_the_kernels(monkeypatch, tiny_model("ouro", seed=5, loops=2), policy)
+    packed = {c["format"] for c in calls["pack"] if c["kind"] == "key"}
+    assert len(packed) == 2 and all(f.startswith("intb") for f in packed)
+    assert calls["attention"] and calls["reconstruct"]
+
+
 def test_int2_and_hint_values_through_the_kernels_match_the_reference(monkeypatch):
     """INT2 keys (loop 1 an INT2 delta) and HINT2 values (loop 1 a HINT4 delta) on 2-loop Ouro
     through the kernels: every page packs in the kernel (four INT2 codes per byte; HINT rows

@@ -32,6 +32,7 @@ from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache
 from kvq_jax.codecs.api import pack_kv, unpack_kv
 from kvq_jax.codecs.cache_state import codec_view
 from kvq_jax.codecs.formats.heavy_rows import register_heavy
+from kvq_jax.codecs.formats.intb import register_table
 from kvq_jax.codecs.heavy import pack_heavy
 from kvq_jax.codecs.residual import encode_residual
 from kvq_jax.core import registry
@@ -83,12 +84,11 @@ def edge_pages(spec: arg_specs.PagePackSpec, seed: int = 0) -> np.ndarray:
         return x.astype(spec.np_dtype)
 
 
-def per_page(pages, *, kind="key", format="int4", group_size=None, axis=None):
+def per_page(pages, *, kind="key", format="int4", group_size=None, axis=None, layer=None):
     """`pack_kv` of each page alone (resolved as `pack_paged` resolves), stacked."""
     axis, group_size = resolve_paged(format, kind, pages.shape[1:], axis, group_size)
-    each = [
-        pack_kv(page, kind=kind, format=format, group_size=group_size, axis=axis) for page in pages
-    ]
+    args = dict(kind=kind, format=format, group_size=group_size, axis=axis)
+    each = [pack_kv(page, **args, **({} if layer is None else {"layer": layer})) for page in pages]
     return jax.tree.map(lambda *a: jnp.stack(a), *each)
 
 
@@ -96,7 +96,7 @@ def per_page(pages, *, kind="key", format="int4", group_size=None, axis=None):
 def reference_packed(spec: arg_specs.PagePackSpec):
     """(pages, expected): the edge pages and `pack_kv` of each page alone, stacked."""
     pages = jnp.asarray(edge_pages(spec))
-    return pages, per_page(pages, **spec.kwargs)
+    return pages, per_page(pages, **spec.kwargs, layer=spec.layer)
 
 
 # -- per backend ------------------------------------------------------------------------------
@@ -322,6 +322,63 @@ def test_heavy_rows_arguments():
                                                  format=keys, rows=True)  # fmt: skip
 
 
+# -- INTB keys ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("spec", arg_specs.INTB_SPECS[::2], ids=lambda s: s.name)
+def test_intb_keys_match_pack_kv(spec, backend):
+    """INTB key pages (bit streams of W bytes, W not a power of two; a per-layer format read
+    as its layer) equal `pack_kv` of each page, on the edge pages."""
+    pages = jnp.asarray(edge_pages(spec))
+    layer = None if spec.layer is None else jnp.int32(spec.layer)
+    got = pack_paged(pages, **spec.kwargs, layer=layer, backend=backend)
+    assert_trees_same_bytes(got, per_page(pages, **spec.kwargs, layer=spec.layer), spec.name)
+
+
+def _msb_first(fmt, stream_bits):
+    """A planted defect: each byte's stream bits in reverse order."""
+    levels, channel, bit = _INTB_MAPS(fmt, stream_bits)
+    flip = lambda a: a.reshape(*a.shape[:-1], -1, 8)[..., ::-1].reshape(a.shape)  # noqa: E731
+    return levels, flip(channel), flip(bit)
+
+
+_INTB_MAPS = pallas_triton.intb_maps
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_intb_comparison_catches_msb_first_streams(monkeypatch):
+    monkeypatch.setattr(pallas_triton, "intb_maps", _msb_first)
+    spec = arg_specs.INTB_SPECS[0]
+    pages = jnp.asarray(edge_pages(spec))
+    jax.clear_caches()
+    try:
+        got = pack_paged(pages, **spec.kwargs, backend="pallas_interpret")
+        assert_trees_same_bytes(got, per_page(pages, **spec.kwargs), "planted defect")
+    finally:
+        jax.clear_caches()
+
+
+def test_intb_streams_past_the_tile_limit_are_left_to_xla():
+    wide = register_table([[8] * 128] * 2)  # 8W = 1024 stream bits per row
+    reason = config_support((1, 64, 2, 128), jnp.bfloat16, kind="key", format=wide)
+    assert "64 * 1024 exceeds the kernel's tile limit" in reason
+    assert config_support((1, 32, 2, 128), jnp.bfloat16, kind="key", format=wide) is None
+
+
+def test_intb_kernel_matches_oracle():
+    """An INTB table of 1-8 bit channels (codes straddling bytes, W = 9) against the
+    plain-Python oracle, token groups of 8."""
+    table = [[1, 2, 3, 4, 5, 6, 7, 8, 8, 7, 6, 5, 4, 3, 2, 1], [8, 1, 7, 2, 6, 3, 5, 4] * 2]
+    spec = arg_specs.PagePackSpec(register_table(table), "key", 16, 2, 16, "bfloat16", 8)
+    pages = edge_pages(spec, seed=3)
+    got = pack_paged(jnp.asarray(pages), **spec.kwargs, backend="pallas_interpret")
+    assert got.codes.shape[-1] == 9
+    for i, page in enumerate(pages):
+        want = oracle.pack(page, format="intb", kind="key", group_size=8, bits=table)
+        assert_packed_equal(jax.tree.map(lambda a, i=i: a[i], got), want.arrays, f"page {i}")
+
+
 # -- oracle -----------------------------------------------------------------------------------
 
 
@@ -404,8 +461,10 @@ def test_compiled_kernel_matches_xla_on_gpu(spec):
             assert_trees_same_bytes(got.arrays, expected, backend)
         return
     pages, expected = reference_packed(spec)
-    assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend="pallas"), expected)
-    assert_trees_same_bytes(pack_paged(pages, **spec.kwargs, backend="auto"), expected)
+    layer = None if spec.layer is None else jnp.int32(spec.layer)
+    for backend in ("pallas", "auto"):
+        got = pack_paged(pages, **spec.kwargs, layer=layer, backend=backend)
+        assert_trees_same_bytes(got, expected, backend)
 
 
 # -- errors and fallbacks ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ A `PagePackSpec` is one configuration (format, kind, page shape, dtype, group si
   HEAVY_SPECS  heavy-row values (FORMAT.md 5a; the rows handed in, `heavy_rows`): the best
                policy's heavy64-hint4 at 64-token pages, and heavy16-int2 (several heavy
                groups per page, four codes per byte), both head dims.
+  INTB_SPECS   INTB keys: one bit table and one per layer, rows of W bytes not a power of two.
   SMALL_SPECS  one configuration per format variant (each dtype at least once), small
                enough for interpret mode on a CPU.
   BENCH_SPECS  Ouro-like pages for the benchmark: page 16 / 32 / 64, H 16, D 128, bf16 (and
@@ -26,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from kvq_jax.codecs.formats.heavy_rows import register_heavy
+from kvq_jax.codecs.formats.intb import register_layer_tables, register_table
 
 DTYPES = ("bfloat16", "float16", "float32")
 PAGE_SIZES = (16, 32, 64)
@@ -65,6 +67,7 @@ class PagePackSpec:
     dtype: str
     group_size: int | None = None
     axis: str | None = None
+    layer: int | None = None  # the model layer a per-layer INTB format packs with
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -72,7 +75,7 @@ class PagePackSpec:
 
     @property
     def kwargs(self) -> dict:
-        """The `pack_paged` keyword arguments (backend excluded)."""
+        """The `pack_paged` keyword arguments (backend, rows and layer excluded)."""
         return dict(kind=self.kind, format=self.format, group_size=self.group_size, axis=self.axis)
 
     def shape(self, num_pages: int) -> tuple[int, int, int, int]:
@@ -115,6 +118,7 @@ class PagePackSpec:
         return (
             f"{self.format}-{self.kind}{group}{axis}-ps{self.page_size}-h{self.num_heads}"
             f"-d{self.head_dim}-{self.dtype}"
+            + ("" if self.layer is None else f"-layer{self.layer}")
         )
 
 
@@ -133,7 +137,32 @@ HEAVY_SPECS = (
     PagePackSpec(register_heavy("int2", 16), "value", 64, 2, 128, "bfloat16"),
 )
 
-SPECS = _specs() + HEAVY_SPECS
+
+def _table(head_dim: int, heads: int = 2) -> list[list[int]]:
+    """An INTB bit table of 3.75 bits per channel on average (the served heavy policies'
+    width: W = 30 bytes at D = 64, 60 at D = 128, not powers of two), rolled per head."""
+    row = [4, 4, 4, 3] * (head_dim // 4)
+    return [row[h:] + row[:h] for h in range(heads)]
+
+
+#: INTB keys (FORMAT.md 2b) on token groups: one table, and one table per layer (read as
+#: layer 1), rows of W bytes not a power of two.
+INTB_SPECS = (
+    PagePackSpec(register_table(_table(64)), "key", 64, 2, 64, "bfloat16"),
+    PagePackSpec(register_table(_table(128)), "key", 64, 2, 128, "float32"),
+    PagePackSpec(
+        register_layer_tables([_table(64), _table(64, 3)[1:]]),
+        "key",
+        32,
+        2,
+        64,
+        "float16",
+        16,
+        layer=1,
+    ),
+)
+
+SPECS = _specs() + HEAVY_SPECS + INTB_SPECS
 
 SMALL_SPECS = tuple(
     PagePackSpec(fmt, kind, 16, 2, 64, dtype, group, axis)

@@ -8,10 +8,11 @@ that have validated and resolved the arguments already (the paged cache's append
 
 The kernel takes (`config_support` says why not otherwise):
   - formats int4, int2, hint4 / hint2 (INT4 / INT2 of rows rotated in registers), nvfp4 and
-    fp8_e4m3; heavy rows (FORMAT.md 5a) over INT4 / INT2 / HINT4 / HINT2 on channel groups
-    (values) given their rows (`dispatch(rows=...)`: the paged cache's append hands in the
-    rows the keys chose); INTB, heavy rows on token groups (keys) and a codec registered by a
-    user run on XLA;
+    fp8_e4m3; INTB (one table or one per layer, on token groups; a per-layer format packs
+    with `layer`'s table); heavy rows (FORMAT.md 5a) over INT4 / INT2 / HINT4 / HINT2 on
+    channel groups (values) given their rows (`dispatch(rows=...)`: the paged cache's append
+    hands in the rows the keys chose); heavy rows on token groups (keys) and a codec
+    registered by a user run on XLA;
   - page_size and D powers of two (Triton blocks), D >= 2 (two codes per byte; INT2 / HINT2:
     D >= 4, four codes per byte), and a
     [page_size, D] head tile of at most MAX_TILE_ELEMENTS elements (registers); any H;
@@ -26,9 +27,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import next_power_of_2 as pl_next_power_of_2
 
 from kvq_jax.codecs.packed import PackedKV
-from kvq_jax.core import checks
+from kvq_jax.core import checks, registry
 from kvq_jax.core.cache_config import resolve_paged
 from kvq_jax.core.layouts import is_power_of_two
 from kvq_jax.kernels import _tile_decode
@@ -59,6 +61,14 @@ def _reason(page_shape, format: str, axis: str, group_size: int, rows: bool = Fa
         if not rows:
             return f"format {format!r}: the kernel takes the heavy rows (rows), not a table"
         format = base
+    elif _tile_decode.is_intb(format):
+        stream = 8 * pl_next_power_of_2(registry.layout(format).row_bytes)
+        if axis != "tokens" or not is_power_of_two(group_size) or page_size % group_size:
+            return (f"format {format!r}: the kernel packs INTB on token groups of a power of "
+                    f"two dividing page_size, not {axis} groups of {group_size}")  # fmt: skip
+        if page_size * stream > MAX_TILE_ELEMENTS:
+            return (f"format {format!r}: page_size * 8W (padded) = {page_size} * {stream} "
+                    f"exceeds the kernel's tile limit of {MAX_TILE_ELEMENTS} elements")  # fmt: skip
     elif format not in KERNEL_FORMATS:
         return f"format {format!r} has no page-pack kernel (kernels: {KERNEL_FORMATS})"
     if not is_power_of_two(page_size):
@@ -123,6 +133,7 @@ def dispatch(
         interpret=impl == "pallas_interpret",
         launch=launch,
         rows=rows,
+        layer=layer,
     )
 
 
@@ -154,7 +165,7 @@ def pack_paged(
       launch: the kernel's `kvq_jax.kernels.launch.Launch` (warps, stages); None: the rule
         of `kvq_jax.kernels.launch.page_pack`. Ignored by XLA.
       layer: the model layer (int or int32 scalar) of a format with one table per layer
-        (`pack_kv`'s layer; served by XLA); ignored by the other formats.
+        (`pack_kv`'s layer); ignored by the other formats.
       rows: integer [P, page_size / G, H], each page's heavy rows for a heavy-row format
         (FORMAT.md 5a; values take the rows their keys chose), else None.
 

@@ -1,5 +1,5 @@
-"""Page pack as Pallas kernels (Triton backend): INT4, INT2, HINT4, HINT2, NVFP4, FP8 E4M3 and
-heavy-row value pages in one call.
+"""Page pack as Pallas kernels (Triton backend): INT4, INT2, HINT4, HINT2, INTB, NVFP4, FP8 E4M3
+and heavy-row value pages in one call.
 
 Input: pages [P, page_size, H, D] (bf16 / fp16 / fp32). Output: the arrays `pack_paged`
 returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call:
@@ -10,6 +10,11 @@ returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call
   every output byte written once). INT2 is INT4's arithmetic with 3 levels (FORMAT.md 2a).
   HINT4 / HINT2 are INT4 / INT2 of the tile's rows rotated in registers first (FORMAT.md 2c,
   `_tile_decode.rotate_tile`: the butterfly's IEEE adds, each flushed).
+- INTB (FORMAT.md 2b): grid (P, H). The metadata from the head tile's token groups under the
+  layer's per-channel levels; the W-byte bit stream of each row from a [T, 8W] tile (8W padded
+  to a power of two): stream bit j's channel column gathered from the tile, quantized with
+  that channel's levels (the same groups, the same arithmetic: the same codes), its code bit
+  taken, eight bits per byte, the bytes past W masked off the store.
 - Heavy-row values (FORMAT.md 5a) over INT4 / INT2 / HINT4 / HINT2 on channel groups: grid
   (P, H), whole-array refs. The rows are handed in (the keys chose them); each payload row is
   quantized on its own, so the tile's rows are gathered around each heavy row, quantized
@@ -51,6 +56,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvq_jax.codecs import _numerics
 from kvq_jax.codecs.packed import PackedKV
+from kvq_jax.core import registry
 from kvq_jax.core.constants import (
     E2M1_MAX,
     E4M3_MAX,
@@ -62,6 +68,7 @@ from kvq_jax.core.constants import (
     NVFP4_ONE_SIXTH,
 )
 from kvq_jax.core.heavy import HEAVY_LEVELS
+from kvq_jax.core.layouts import IntBLayout
 from kvq_jax.kernels import _exact, _tile_decode
 from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.launch import Launch
@@ -153,9 +160,10 @@ _AFFINE = {
 
 
 def _affine(x, axis: str, group_size: int, levels, *, interpret):
-    """INT4's arithmetic (FORMAT.md 2) with `levels` (15, 3, or 255 for heavy rows) on a float32
-    [R, D] tile: (int32 codes [R, D], float16 minimum and scale per group: [R / G, D] on axis
-    tokens, [R, D / G] on channels; NaN and codes 0 for a group holding inf or NaN)."""
+    """INT4's arithmetic (FORMAT.md 2) with `levels` (15, 3, 255 for heavy rows; or float32 per
+    column, broadcastable to the group statistics, for INTB) on a float32 [R, D] tile:
+    (int32 codes [R, D], float16 minimum and scale per group: [R / G, D] on axis tokens, [R,
+    D / G] on channels; NaN and codes 0 for a group holding inf or NaN)."""
     xg, member = _grouped(x, axis, group_size)
     nonfinite = jnp.max(_is_nonfinite(xg).astype(jnp.int32), axis=member, keepdims=True)
     finite = nonfinite == 0
@@ -163,7 +171,7 @@ def _affine(x, axis: str, group_size: int, levels, *, interpret):
     mx = jnp.max(xg, axis=member, keepdims=True)
     mn = jnp.where(mn == 0, np.float32(0.0), mn)  # a zero minimum is stored as +0.0
     span = _exact.flush_subnormal(mx - mn)
-    divisor = jnp.full(span.shape, levels, jnp.float32)
+    divisor = jnp.broadcast_to(jnp.asarray(levels, jnp.float32), span.shape)
     scale = jnp.where(
         span > 0,
         _exact.flush_subnormal(_exact.divide(span, divisor, interpret=interpret)),
@@ -198,6 +206,51 @@ def _affine_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size
     codes_ref[...] = _codes_bytes(codes, bits)
     minimum_ref[...] = minimum
     scale_ref[...] = scale
+
+
+# -- INTB ---------------------------------------------------------------------------------------
+
+
+def intb_maps(fmt: str, stream_bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """INTB format `fmt`'s packing maps, per layer table (N = 1 for one table): levels float32
+    [N, H, D] (2^b - 1), and the channel and code bit int32 [N, H, stream_bits] of each stream
+    bit (`IntBLayout.stream_maps`), the bits past the row's 8W pointing at code bit 31 (zero)."""
+    layout = registry.layout(fmt)
+    tables = layout.tables if layout.per_layer else (layout.bits,)
+    per = [IntBLayout(t, name="table") for t in tables]
+    levels = np.stack([t.levels() for t in per])
+    channel, bit = (np.stack([m[i] for m in (t.stream_maps() for t in per)]) for i in range(2))
+    pad = stream_bits - channel.shape[-1]
+    channel = np.pad(channel, ((0, 0), (0, 0), (0, pad)))
+    bit = np.pad(bit, ((0, 0), (0, 0), (0, pad)), constant_values=31)
+    return levels, channel, bit
+
+
+def _intb_kernel(x_ref, layer_ref, levels_ref, channel_ref, bit_ref, codes_ref, minimum_ref,
+                 scale_ref, *, group_size, row_bytes, interpret):  # fmt: skip
+    """INTB (FORMAT.md 2b) of a [T, D] head tile: the metadata from the tile's token groups
+    under the layer's per-channel levels; the codes as each stream bit's channel column
+    gathered from the tile ([T, S], S = 8W padded to a power of two), quantized the same way
+    (the same groups, the same arithmetic: the same codes) and its bit taken, eight per byte."""
+    h = pl.program_id(1)
+    layer = layer_ref[0]
+    t_len = x_ref.shape[0]
+    x = _numerics.widen(x_ref[...])  # [T, D]
+    levels = levels_ref[layer, h, :][None, None, :]  # [1, 1, D]
+    _, minimum, scale = _affine(x, "tokens", group_size, levels, interpret=interpret)
+    minimum_ref[...] = minimum
+    scale_ref[...] = scale
+    channel = channel_ref[layer, h, :]  # [S]
+    s = channel.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (t_len, s), 0)
+    xs = _numerics.widen(x_ref[(rows, jnp.broadcast_to(channel[None, :], (t_len, s)))])
+    codes, _, _ = _affine(xs, "tokens", group_size, levels_ref[layer, h, channel][None, None, :],
+                          interpret=interpret)  # fmt: skip
+    bits = (codes >> bit_ref[layer, h, :][None, :]) & 1  # [T, S]
+    weights = lax.broadcasted_iota(jnp.int32, (t_len, s // 8, 8), 2)
+    stream = jnp.sum(bits.reshape(t_len, s // 8, 8) << weights, axis=2)  # [T, S / 8] bytes
+    columns = lax.broadcasted_iota(jnp.int32, (t_len, s // 8), 1)
+    pltriton.store(codes_ref, stream.astype(jnp.uint8), mask=columns < row_bytes)
 
 
 # -- heavy rows over INT4 / INT2 / HINT4 / HINT2 on channel groups --------------------------------
@@ -428,6 +481,30 @@ def _pack_heavy(pages, rows, format, group_size, interpret, launch):
     return dict(zip(names, arrays, strict=True))
 
 
+def _pack_intb(pages, format, group_size, layer, interpret, launch):
+    p, t, h, d = pages.shape
+    w = registry.layout(format).row_bytes
+    s = 8 * pl.next_power_of_2(w)
+    levels, channel, bit = intb_maps(format, s)
+    kernel = functools.partial(_intb_kernel, group_size=group_size, row_bytes=w,
+                               interpret=interpret)  # fmt: skip
+    tile = lambda rows, cols: pl.BlockSpec((None, rows, None, cols), lambda i, j: (i, 0, j, 0))  # noqa: E731
+    codes, minimum, scale = _call(
+        kernel,
+        grid=(p, h),
+        in_specs=[tile(t, d)] + [pl.no_block_spec] * 4,
+        out_specs=[tile(t, s // 8), tile(t // group_size, d), tile(t // group_size, d)],
+        out_shape=[
+            jax.ShapeDtypeStruct((p, t, h, w), jnp.uint8),
+            jax.ShapeDtypeStruct((p, t // group_size, h, d), jnp.float16),
+            jax.ShapeDtypeStruct((p, t // group_size, h, d), jnp.float16),
+        ],
+        interpret=interpret,
+        launch=launch,
+    )(pages, _tile_decode.layer_operand(layer), levels, channel, bit)
+    return {"codes": codes, "minimum": minimum, "scale": scale}
+
+
 def _pack_nvfp4(pages, axis, interpret, launch):
     p, t, h, d = pages.shape
     mt, md = _meta_block(axis, t, d, NVFP4_GROUP_SIZE)
@@ -474,16 +551,19 @@ def _pack_fp8(pages, interpret, launch):
 
 def pack_paged(
     pages, *, kind: str, format: str, axis: str, group_size: int, interpret: bool,
-    launch: Launch | None = None, rows=None,
+    launch: Launch | None = None, rows=None, layer=None,
 ) -> PackedKV:  # fmt: skip
     """Validated pages [P, page_size, H, D] (a configuration `api.config_support` accepts,
     axis and group_size resolved) -> the `PackedKV` that `pack_paged` returns; `launch`: the
     Triton launch parameters (None: the rule of `kvq_jax.kernels.launch.page_pack`); rows:
-    uint8 [P, page_size / G, H], the heavy rows of each page (heavy-row formats)."""
+    uint8 [P, page_size / G, H], the heavy rows of each page (heavy-row formats); layer: the
+    model layer (int32 scalar) whose table a per-layer INTB format packs with (None: 0)."""
     if launch is None:
         launch = _launch.page_pack(pages.shape[1], pages.shape[3], format)
     if _tile_decode.heavy_layout(format) is not None:
         arrays = _pack_heavy(pages, rows, format, group_size, interpret, launch)
+    elif _tile_decode.is_intb(format):
+        arrays = _pack_intb(pages, format, group_size, layer, interpret, launch)
     elif format in _AFFINE:
         arrays = _pack_affine(pages, format, axis, group_size, interpret, launch)
     elif format == "nvfp4":
