@@ -193,17 +193,16 @@ def _through_the_kernels(monkeypatch, model, policy) -> dict:
 
 def test_the_best_policy_through_the_kernels_matches_the_reference(monkeypatch):
     """The served best policy's formats (heavy rows over INTB keys and HINT4 values, keys
-    stored before RoPE) on 2-loop Ouro through the kernels (`_through_the_kernels`; the
-    heavy-row values pack in the kernel with the rows their keys chose, the INTB keys on the
-    XLA path): 16 decode steps against the page-by-page reference, and decode attention ran
-    in the kernel."""
+    stored before RoPE) on 2-loop Ouro through the kernels (`_through_the_kernels`: every page
+    packs in the kernel with the rows the keys chose, decode attention runs in it): 16 decode
+    steps against the page-by-page reference."""
     tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
     model = tiny_model("ouro", seed=5, loops=2)
     policy, _ = _heavy_policy(monkeypatch, tables, rope_theta=model.config.rope_theta)
     calls = _through_the_kernels(monkeypatch, model, policy)
     assert calls["attention"] and all(c["interpret"] for c in calls["attention"])
-    packed = [c for c in calls["pack"] if c["format"].startswith("heavy")]
-    assert packed and all(c["rows"] is not None and c["kind"] == "value" for c in packed)
+    assert {c["kind"] for c in calls["pack"]} == {"key", "value"}
+    assert all(c["format"].startswith("heavy") and c["rows"] is not None for c in calls["pack"])
 
 
 def test_intb_keys_through_the_kernels_match_the_reference(monkeypatch):

@@ -272,10 +272,11 @@ def heavy_reference(spec, pages, rows) -> dict:
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
 @pytest.mark.parametrize("spec", arg_specs.HEAVY_SPECS[::2], ids=lambda s: s.name)
-def test_heavy_values_match_pack_heavy(spec, backend):
-    """Heavy-row value pages (the rows handed in: random, a group's first and last row, an
-    index past the group) equal `pack_heavy` of each page, on the edge pages (NaN, inf,
-    signed zeros, subnormal and overflowing rows)."""
+def test_heavy_rows_match_pack_heavy(spec, backend):
+    """Heavy-row pages (values on channel groups, keys on token groups of G - 1 rows; the rows
+    handed in: random, a group's first and last row, an index past the group) equal
+    `pack_heavy` of each page, on the edge pages (NaN, inf, signed zeros, subnormal and
+    overflowing rows)."""
     pages, rows = jnp.asarray(edge_pages(spec)), spec.heavy_rows(NUM_EDGE_PAGES)
     got = pack_paged(pages, **spec.kwargs, rows=rows, backend=backend)
     assert_trees_same_bytes(got.arrays, heavy_reference(spec, pages, rows), spec.name)
@@ -317,9 +318,11 @@ def test_heavy_rows_arguments():
         pack_paged(pages, **spec.kwargs, rows=jnp.zeros((2, 2, 2), jnp.uint8))
     with pytest.raises(ValueError, match="stores no heavy rows"):
         pack_paged(pages, kind="value", rows=jnp.zeros((2, 1, 2), jnp.uint8))
-    keys = register_heavy("int4", 64)  # keys' heavy rows: payload on token groups
-    assert "on channel groups" in config_support(pages.shape, pages.dtype, kind="key",
-                                                 format=keys, rows=True)  # fmt: skip
+    support = functools.partial(config_support, pages.shape, pages.dtype, kind="key", rows=True)
+    assert support(format=register_heavy("int4", 64)) is None  # payload on token groups
+    assert "over 'hint4' on token groups" in support(format=register_heavy("hint4", 64))
+    assert "token groups of one heavy group" in support(format=register_heavy("int4", 16),
+                                                        group_size=5)  # fmt: skip
 
 
 # -- INTB keys ----------------------------------------------------------------------------------

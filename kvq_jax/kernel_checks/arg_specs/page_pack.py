@@ -6,9 +6,11 @@ A `PagePackSpec` is one configuration (format, kind, page shape, dtype, group si
   SPECS        every supported configuration the tests lower for CUDA and compare on a GPU:
                each format variant x page size 16 / 32 / 64 x head dim 64 / 128, the input
                dtype cycling through bf16 / fp16 / fp32; then HEAVY_SPECS.
-  HEAVY_SPECS  heavy-row values (FORMAT.md 5a; the rows handed in, `heavy_rows`): the best
-               policy's heavy64-hint4 at 64-token pages, and heavy16-int2 (several heavy
-               groups per page, four codes per byte), both head dims.
+  HEAVY_SPECS  heavy rows (FORMAT.md 5a; the rows handed in, `heavy_rows`): values in the
+               best policy's heavy64-hint4 at 64-token pages and heavy16-int2 (several heavy
+               groups per page, four codes per byte), both head dims; keys over INTB (W = 30,
+               64-token pages) and over INT4 (two heavy groups per page), payload token
+               groups of G - 1 rows.
   INTB_SPECS   INTB keys: one bit table and one per layer, rows of W bytes not a power of two.
   SMALL_SPECS  one configuration per format variant (each dtype at least once), small
                enough for interpret mode on a CPU.
@@ -130,19 +132,21 @@ def _specs() -> tuple[PagePackSpec, ...]:
     )
 
 
-HEAVY_SPECS = (
-    PagePackSpec(register_heavy("hint4", 64), "value", 64, 2, 64, "bfloat16"),
-    PagePackSpec(register_heavy("hint4", 64), "value", 64, 2, 128, "float32"),
-    PagePackSpec(register_heavy("int2", 16), "value", 32, 2, 64, "float16"),
-    PagePackSpec(register_heavy("int2", 16), "value", 64, 2, 128, "bfloat16"),
-)
-
-
 def _table(head_dim: int, heads: int = 2) -> list[list[int]]:
     """An INTB bit table of 3.75 bits per channel on average (the served heavy policies'
     width: W = 30 bytes at D = 64, 60 at D = 128, not powers of two), rolled per head."""
     row = [4, 4, 4, 3] * (head_dim // 4)
     return [row[h:] + row[:h] for h in range(heads)]
+
+
+HEAVY_SPECS = (
+    PagePackSpec(register_heavy("hint4", 64), "value", 64, 2, 64, "bfloat16"),
+    PagePackSpec(register_heavy("hint4", 64), "value", 64, 2, 128, "float32"),
+    PagePackSpec(register_heavy("int2", 16), "value", 32, 2, 64, "float16"),
+    PagePackSpec(register_heavy("int2", 16), "value", 64, 2, 128, "bfloat16"),
+    PagePackSpec(register_heavy(register_table(_table(64)), 64), "key", 64, 2, 64, "bfloat16"),
+    PagePackSpec(register_heavy("int4", 16), "key", 32, 2, 128, "float32"),
+)
 
 
 #: INTB keys (FORMAT.md 2b) on token groups: one table, and one table per layer (read as

@@ -9,10 +9,10 @@ that have validated and resolved the arguments already (the paged cache's append
 The kernel takes (`config_support` says why not otherwise):
   - formats int4, int2, hint4 / hint2 (INT4 / INT2 of rows rotated in registers), nvfp4 and
     fp8_e4m3; INTB (one table or one per layer, on token groups; a per-layer format packs
-    with `layer`'s table); heavy rows (FORMAT.md 5a) over INT4 / INT2 / HINT4 / HINT2 on
-    channel groups (values) given their rows (`dispatch(rows=...)`: the paged cache's append
-    hands in the rows the keys chose); heavy rows on token groups (keys) and a codec
-    registered by a user run on XLA;
+    with `layer`'s table); heavy rows (FORMAT.md 5a) given their rows (`dispatch(rows=...)`:
+    the paged cache's append hands in the rows the keys chose) over INT4 / INT2 / HINT4 /
+    HINT2 on channel groups (values) or INT4 / INT2 / INTB on token groups of G - 1 rows
+    (keys); a codec registered by a user runs on XLA;
   - page_size and D powers of two (Triton blocks), D >= 2 (two codes per byte; INT2 / HINT2:
     D >= 4, four codes per byte), and a
     [page_size, D] head tile of at most MAX_TILE_ELEMENTS elements (registers); any H;
@@ -41,7 +41,7 @@ from kvq_jax.kernels.page_pack import pallas_triton, xla
 #: Formats the kernel implements.
 KERNEL_FORMATS = ("int4", "int2", "hint4", "hint2", "nvfp4", "fp8_e4m3")
 #: Bases of heavy-row formats the kernel packs (on channel groups: each payload row alone).
-HEAVY_BASES = ("int4", "int2", "hint4", "hint2")
+HEAVY_BASES = ("int4", "int2", "hint4", "hint2")  # on channel groups; INT4, INT2, INTB on tokens
 #: Largest page_size * D the kernel takes (one head tile in registers: 32 K elements).
 MAX_TILE_ELEMENTS = 2**15
 
@@ -52,16 +52,23 @@ def _reason(page_shape, format: str, axis: str, group_size: int, rows: bool = Fa
     page_size, _, d = page_shape
     heavy = _tile_decode.heavy_layout(format)
     if heavy is not None:
-        base = heavy.base.name
-        if base not in HEAVY_BASES or axis != "channels":
-            return (
-                f"format {format!r}: the kernel packs heavy rows over {HEAVY_BASES} on channel "
-                f"groups (values), not over {base!r} on axis {axis!r}"
-            )
+        base, g = heavy.base.name, heavy.heavy_group
         if not rows:
             return f"format {format!r}: the kernel takes the heavy rows (rows), not a table"
-        format = base
-    elif _tile_decode.is_intb(format):
+        if axis == "channels" and base not in HEAVY_BASES:
+            return f"format {format!r}: no heavy-row kernel over {base!r} on channel groups"
+        if axis == "tokens" and not (base in ("int4", "int2") or _tile_decode.is_intb(base)):
+            return f"format {format!r}: no heavy-row kernel over {base!r} on token groups"
+        if axis == "tokens" and group_size != g - 1:
+            return (f"format {format!r}: the kernel packs the payload on token groups of one "
+                    f"heavy group (G - 1 = {g - 1} rows), not {group_size}")  # fmt: skip
+        if not is_power_of_two(g) or page_size % g:
+            return f"format {format!r}: heavy group {g} is not a power of two dividing page_size"
+        if not _tile_decode.is_intb(base):
+            format, axis, group_size = base, "channels", (group_size if axis == "channels" else d)
+        else:
+            format, group_size = base, g
+    if _tile_decode.is_intb(format):
         stream = 8 * pl_next_power_of_2(registry.layout(format).row_bytes)
         if axis != "tokens" or not is_power_of_two(group_size) or page_size % group_size:
             return (f"format {format!r}: the kernel packs INTB on token groups of a power of "

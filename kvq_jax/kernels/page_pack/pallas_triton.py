@@ -1,5 +1,5 @@
 """Page pack as Pallas kernels (Triton backend): INT4, INT2, HINT4, HINT2, INTB, NVFP4, FP8 E4M3
-and heavy-row value pages in one call.
+and heavy-row pages in one call.
 
 Input: pages [P, page_size, H, D] (bf16 / fp16 / fp32). Output: the arrays `pack_paged`
 returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call:
@@ -15,10 +15,11 @@ returns (docs/FORMAT.md sections 2-5), byte for byte. One `pallas_call` per call
   to a power of two): stream bit j's channel column gathered from the tile, quantized with
   that channel's levels (the same groups, the same arithmetic: the same codes), its code bit
   taken, eight bits per byte, the bytes past W masked off the store.
-- Heavy-row values (FORMAT.md 5a) over INT4 / INT2 / HINT4 / HINT2 on channel groups: grid
-  (P, H), whole-array refs. The rows are handed in (the keys chose them); each payload row is
-  quantized on its own, so the tile's rows are gathered around each heavy row, quantized
-  (rotated first for HINT) and scattered to their payload rows; the heavy rows are gathered
+- Heavy rows (FORMAT.md 5a): grid (P, H), whole-array refs, the rows handed in (the keys
+  chose them). The tile's rows are gathered around each heavy row (its lane reads a
+  neighbour), quantized (values: each row on its channel groups, rotated first for HINT;
+  keys: token groups of a heavy group, INT4 / INT2 / INTB, whose statistics the neighbour's
+  copy leaves unchanged) and scattered to their payload rows; the heavy rows are gathered
   and stored INT8 (plain).
 - NVFP4: grid (P,). Every page has its own global scale, which needs the amax over the whole
   page (all heads) before any block scale can be rounded. A program owns one page and loops
@@ -226,6 +227,15 @@ def intb_maps(fmt: str, stream_bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return levels, channel, bit
 
 
+def _stream_bytes(codes, bit):
+    """int32 codes [T, S] of each stream bit's channel, bit int32 [S] (the code bit each
+    stream bit holds) -> int32 bytes [T, S / 8]: stream bit j is bit j mod 8 of byte j / 8."""
+    t_len, s = codes.shape
+    bits = (codes >> bit[None, :]) & 1
+    weights = lax.broadcasted_iota(jnp.int32, (t_len, s // 8, 8), 2)
+    return jnp.sum(bits.reshape(t_len, s // 8, 8) << weights, axis=2)
+
+
 def _intb_kernel(x_ref, layer_ref, levels_ref, channel_ref, bit_ref, codes_ref, minimum_ref,
                  scale_ref, *, group_size, row_bytes, interpret):  # fmt: skip
     """INTB (FORMAT.md 2b) of a [T, D] head tile: the metadata from the tile's token groups
@@ -246,9 +256,7 @@ def _intb_kernel(x_ref, layer_ref, levels_ref, channel_ref, bit_ref, codes_ref, 
     xs = _numerics.widen(x_ref[(rows, jnp.broadcast_to(channel[None, :], (t_len, s)))])
     codes, _, _ = _affine(xs, "tokens", group_size, levels_ref[layer, h, channel][None, None, :],
                           interpret=interpret)  # fmt: skip
-    bits = (codes >> bit_ref[layer, h, :][None, :]) & 1  # [T, S]
-    weights = lax.broadcasted_iota(jnp.int32, (t_len, s // 8, 8), 2)
-    stream = jnp.sum(bits.reshape(t_len, s // 8, 8) << weights, axis=2)  # [T, S / 8] bytes
+    stream = _stream_bytes(codes, bit_ref[layer, h, :])  # [T, S / 8]
     columns = lax.broadcasted_iota(jnp.int32, (t_len, s // 8), 1)
     pltriton.store(codes_ref, stream.astype(jnp.uint8), mask=columns < row_bytes)
 
@@ -256,18 +264,26 @@ def _intb_kernel(x_ref, layer_ref, levels_ref, channel_ref, bit_ref, codes_ref, 
 # -- heavy rows over INT4 / INT2 / HINT4 / HINT2 on channel groups --------------------------------
 
 
-def _heavy_kernel(x_ref, rows_ref, codes_ref, minimum_ref, scale_ref, heavy_rows_ref,
-                  heavy_codes_ref, heavy_minimum_ref, heavy_scale_ref, *, base, group_size,
-                  heavy_group, interpret):  # fmt: skip
+def _heavy_kernel(*refs, base, axis, group_size, heavy_group, row_bytes, interpret):
     """Heavy rows (FORMAT.md 5a) of one (page, head): refs are whole arrays ([P, T, H, D]
-    pages, [P, T / G, H] rows, the PackedKV's arrays), read and written by index.
+    pages, [P, T / G, H] rows, for an INTB base the layer and its maps (`intb_maps`), then the
+    PackedKV's arrays), read and written by index.
 
-    Each payload row is quantized on its own (channel groups), so the payload is the tile's
-    rows gathered around the heavy row and scattered to their payload rows: row i of heavy
-    group k goes to payload row k*(G-1) + i - (i > r_k); the heavy row's own lane reads and
-    writes its neighbour's row (r_k + 1, or r_k - 1 for the last row), the same bytes to the
-    same place, so every lane stores. The heavy rows: INT8 of the plain row (not rotated)."""
-    levels, bits, rotate = _AFFINE[base]
+    The payload is the tile's rows gathered around each heavy row and scattered to their
+    payload rows: row i of heavy group k goes to payload row k*(G-1) + i - (i > r_k); the heavy
+    row's own lane reads and writes its neighbour's row (r_k + 1, or r_k - 1 for the last row),
+    the same bytes to the same place, so every lane stores. On channel groups each payload row
+    is quantized on its own; on token groups of G - 1 rows (keys) a payload group is a heavy
+    group without its heavy row, and the gathered group (the heavy lane a copy of a payload
+    row) has the same minimum, maximum and finiteness, so the same codes. The heavy rows:
+    INT8 of the plain row (not rotated)."""
+    it = iter(refs)
+    x_ref, rows_ref = next(it), next(it)
+    intb = _tile_decode.is_intb(base)
+    if intb:
+        layer_ref, levels_ref, channel_ref, bit_ref = (next(it) for _ in range(4))
+    codes_ref, minimum_ref, scale_ref = next(it), next(it), next(it)
+    heavy_rows_ref, heavy_codes_ref, heavy_minimum_ref, heavy_scale_ref = it
     p, h = pl.program_id(0), pl.program_id(1)
     _, t_len, _, d = x_ref.shape
     g = heavy_group
@@ -287,21 +303,53 @@ def _heavy_kernel(x_ref, rows_ref, codes_ref, minimum_ref, scale_ref, heavy_rows
     dest = group * (g - 1) + i - skip
     rows_, cols = grid(src, d)
     x = _numerics.widen(x_ref[(p, rows_, h, cols)])  # [T, D]
-    if rotate:
-        x = _tile_decode.rotate_tile(x, interpret=interpret)
-    codes, minimum, scale = _affine(x, "channels", group_size, levels, interpret=interpret)
-    for ref, tile in ((codes_ref, _codes_bytes(codes, bits)), (minimum_ref, minimum),
-                      (scale_ref, scale)):  # fmt: skip
-        rows_, cols = grid(dest, tile.shape[1])
+    k = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+
+    def scatter(ref, tile, index):
+        rows_, cols = grid(index, tile.shape[1])
         ref[(p, rows_, h, cols)] = tile
 
-    k = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+    if axis == "channels":
+        levels, bits, rotate = _AFFINE[base]
+        if rotate:
+            x = _tile_decode.rotate_tile(x, interpret=interpret)
+        codes, minimum, scale = _affine(x, axis, group_size, levels, interpret=interpret)
+        for ref, tile in ((codes_ref, _codes_bytes(codes, bits)), (minimum_ref, minimum),
+                          (scale_ref, scale)):  # fmt: skip
+            scatter(ref, tile, dest)
+    else:  # token groups of G - 1 payload rows: one per heavy group, metadata [n, D]
+        if intb:
+            layer = layer_ref[0]
+            levels = levels_ref[layer, h, :][None, None, :]
+        else:
+            levels, bits, _ = _AFFINE[base]
+        codes, minimum, scale = _affine(x, axis, g, levels, interpret=interpret)
+        scatter(minimum_ref, minimum, k)
+        scatter(scale_ref, scale, k)
+        if intb:
+            channel = channel_ref[layer, h, :]  # [S]
+            s = channel.shape[0]
+            rows_ = jnp.broadcast_to(src, (t_len, s))
+            xs = _numerics.widen(
+                x_ref[(p, rows_, h, jnp.broadcast_to(channel[None, :], (t_len, s)))]
+            )
+            codes, _, _ = _affine(xs, axis, g, levels_ref[layer, h, channel][None, None, :],
+                                  interpret=interpret)  # fmt: skip
+            stream = _stream_bytes(codes, bit_ref[layer, h, :])  # [T, S / 8]
+            # bytes past W repeat byte W - 1 (the scatter writes it there again: same bytes)
+            col = lax.broadcasted_iota(jnp.int32, stream.shape, 1)
+            edge = jnp.sum(jnp.where(col == row_bytes - 1, stream, 0), axis=1, keepdims=True)
+            stream = jnp.where(col >= row_bytes, edge, stream)
+            rows_ = jnp.broadcast_to(dest, stream.shape)
+            codes_ref[(p, rows_, h, jnp.minimum(col, row_bytes - 1))] = stream.astype(jnp.uint8)
+        else:
+            scatter(codes_ref, _codes_bytes(codes, bits), dest)
+
     heavy = jnp.minimum(rows_ref[(p, k, h)].astype(jnp.int32), g - 1)  # [n, 1]
     rows_, cols = grid(k * g + heavy, d)
     hx = _numerics.widen(x_ref[(p, rows_, h, cols)])  # [n, D], plain
     hcodes, hmin, hscale = _affine(hx, "channels", d, HEAVY_LEVELS, interpret=interpret)
-    rows_, cols = grid(k, d)
-    heavy_codes_ref[(p, rows_, h, cols)] = hcodes.astype(jnp.uint8)
+    scatter(heavy_codes_ref, hcodes.astype(jnp.uint8), k)
     heavy_minimum_ref[(p, k, h)] = hmin
     heavy_scale_ref[(p, k, h)] = hscale
     heavy_rows_ref[(p, k, h)] = heavy.astype(jnp.uint8)
@@ -449,19 +497,27 @@ def _pack_affine(pages, format, axis, group_size, interpret, launch):
     return {"codes": codes, "minimum": minimum, "scale": scale}
 
 
-def _pack_heavy(pages, rows, format, group_size, interpret, launch):
+def _pack_heavy(pages, rows, format, axis, group_size, layer, interpret, launch):
     p, t, h, d = pages.shape
     heavy = _tile_decode.heavy_layout(format)
     g, base = heavy.heavy_group, heavy.base.name
-    n, m = t // g, d // group_size
-    width = d * _AFFINE[base][1] // 8
+    n = t // g
+    extra, row_bytes = [], 0
+    if _tile_decode.is_intb(base):
+        row_bytes = registry.layout(base).row_bytes
+        maps = intb_maps(base, 8 * pl.next_power_of_2(row_bytes))
+        extra = [_tile_decode.layer_operand(layer), *maps]
+        width = row_bytes
+    else:
+        width = d * _AFFINE[base][1] // 8
+    meta = (p, t - n, h, d // group_size) if axis == "channels" else (p, n, h, d)
     sds = jax.ShapeDtypeStruct
-    kernel = functools.partial(_heavy_kernel, base=base, group_size=group_size, heavy_group=g,
-                               interpret=interpret)  # fmt: skip
+    kernel = functools.partial(_heavy_kernel, base=base, axis=axis, group_size=group_size,
+                               heavy_group=g, row_bytes=row_bytes, interpret=interpret)  # fmt: skip
     out_shape = [
         sds((p, t - n, h, width), jnp.uint8),
-        sds((p, t - n, h, m), jnp.float16),
-        sds((p, t - n, h, m), jnp.float16),
+        sds(meta, jnp.float16),
+        sds(meta, jnp.float16),
         sds((p, n, h), jnp.uint8),
         sds((p, n, h, d), jnp.uint8),
         sds((p, n, h), jnp.float16),
@@ -470,12 +526,12 @@ def _pack_heavy(pages, rows, format, group_size, interpret, launch):
     arrays = _call(
         kernel,
         grid=(p, h),
-        in_specs=[pl.no_block_spec] * 2,
+        in_specs=[pl.no_block_spec] * (2 + len(extra)),
         out_specs=[pl.no_block_spec] * len(out_shape),
         out_shape=out_shape,
         interpret=interpret,
         launch=launch,
-    )(pages, jnp.asarray(rows, jnp.uint8))
+    )(pages, jnp.asarray(rows, jnp.uint8), *extra)
     names = ("codes", "minimum", "scale", "heavy_rows", "heavy_codes", "heavy_minimum",
              "heavy_scale")  # fmt: skip
     return dict(zip(names, arrays, strict=True))
@@ -561,7 +617,7 @@ def pack_paged(
     if launch is None:
         launch = _launch.page_pack(pages.shape[1], pages.shape[3], format)
     if _tile_decode.heavy_layout(format) is not None:
-        arrays = _pack_heavy(pages, rows, format, group_size, interpret, launch)
+        arrays = _pack_heavy(pages, rows, format, axis, group_size, layer, interpret, launch)
     elif _tile_decode.is_intb(format):
         arrays = _pack_intb(pages, format, group_size, layer, interpret, launch)
     elif format in _AFFINE:
