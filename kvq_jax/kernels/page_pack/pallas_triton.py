@@ -227,11 +227,19 @@ def intb_maps(fmt: str, stream_bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return levels, channel, bit
 
 
-def _stream_bytes(codes, bit):
-    """int32 codes [T, S] of each stream bit's channel, bit int32 [S] (the code bit each
-    stream bit holds) -> int32 bytes [T, S / 8]: stream bit j is bit j mod 8 of byte j / 8."""
+def _intb_stream(columns, maps, layer, h, group_size: int, *, interpret):
+    """int32 stream bytes [T, S / 8] of INTB rows on token groups of `group_size`: stream bit
+    j's channel column (`columns(channel [S]) -> [T, S]`, loaded from the tile) quantized with
+    that channel's levels (the same groups and arithmetic as the metadata: the same codes), its
+    code bit taken; stream bit j is bit j mod 8 of byte j / 8. maps: the levels, channel and
+    bit refs (`intb_maps`), read at `layer`, head h."""
+    levels_ref, channel_ref, bit_ref = maps
+    channel = channel_ref[layer, h, :]  # [S]
+    xs = _numerics.widen(columns(channel))
+    codes, _, _ = _affine(xs, "tokens", group_size, levels_ref[layer, h, channel][None, None, :],
+                          interpret=interpret)  # fmt: skip
     t_len, s = codes.shape
-    bits = (codes >> bit[None, :]) & 1
+    bits = (codes >> bit_ref[layer, h, :][None, :]) & 1
     weights = lax.broadcasted_iota(jnp.int32, (t_len, s // 8, 8), 2)
     return jnp.sum(bits.reshape(t_len, s // 8, 8) << weights, axis=2)
 
@@ -250,18 +258,18 @@ def _intb_kernel(x_ref, layer_ref, levels_ref, channel_ref, bit_ref, codes_ref, 
     _, minimum, scale = _affine(x, "tokens", group_size, levels, interpret=interpret)
     minimum_ref[...] = minimum
     scale_ref[...] = scale
-    channel = channel_ref[layer, h, :]  # [S]
-    s = channel.shape[0]
-    rows = lax.broadcasted_iota(jnp.int32, (t_len, s), 0)
-    xs = _numerics.widen(x_ref[(rows, jnp.broadcast_to(channel[None, :], (t_len, s)))])
-    codes, _, _ = _affine(xs, "tokens", group_size, levels_ref[layer, h, channel][None, None, :],
+
+    def columns(channel):  # the tile's columns `channel` [S]: [T, S]
+        rows = lax.broadcasted_iota(jnp.int32, (t_len, channel.shape[0]), 0)
+        return x_ref[(rows, jnp.broadcast_to(channel[None, :], rows.shape))]
+
+    stream = _intb_stream(columns, (levels_ref, channel_ref, bit_ref), layer, h, group_size,
                           interpret=interpret)  # fmt: skip
-    stream = _stream_bytes(codes, bit_ref[layer, h, :])  # [T, S / 8]
-    columns = lax.broadcasted_iota(jnp.int32, (t_len, s // 8), 1)
-    pltriton.store(codes_ref, stream.astype(jnp.uint8), mask=columns < row_bytes)
+    col = lax.broadcasted_iota(jnp.int32, stream.shape, 1)
+    pltriton.store(codes_ref, stream.astype(jnp.uint8), mask=col < row_bytes)
 
 
-# -- heavy rows over INT4 / INT2 / HINT4 / HINT2 on channel groups --------------------------------
+# -- heavy rows -------------------------------------------------------------------------------
 
 
 def _heavy_kernel(*refs, base, axis, group_size, heavy_group, row_bytes, interpret):
@@ -327,15 +335,13 @@ def _heavy_kernel(*refs, base, axis, group_size, heavy_group, row_bytes, interpr
         scatter(minimum_ref, minimum, k)
         scatter(scale_ref, scale, k)
         if intb:
-            channel = channel_ref[layer, h, :]  # [S]
-            s = channel.shape[0]
-            rows_ = jnp.broadcast_to(src, (t_len, s))
-            xs = _numerics.widen(
-                x_ref[(p, rows_, h, jnp.broadcast_to(channel[None, :], (t_len, s)))]
-            )
-            codes, _, _ = _affine(xs, axis, g, levels_ref[layer, h, channel][None, None, :],
+
+            def columns(channel):  # the gathered rows' columns `channel` [S]: [T, S]
+                rows_ = jnp.broadcast_to(src, (t_len, channel.shape[0]))
+                return x_ref[(p, rows_, h, jnp.broadcast_to(channel[None, :], rows_.shape))]
+
+            stream = _intb_stream(columns, (levels_ref, channel_ref, bit_ref), layer, h, g,
                                   interpret=interpret)  # fmt: skip
-            stream = _stream_bytes(codes, bit_ref[layer, h, :])  # [T, S / 8]
             # bytes past W repeat byte W - 1 (the scatter writes it there again: same bytes)
             col = lax.broadcasted_iota(jnp.int32, stream.shape, 1)
             edge = jnp.sum(jnp.where(col == row_bytes - 1, stream, 0), axis=1, keepdims=True)
