@@ -481,13 +481,10 @@ class KernelConfig:
 
 
 def _build_page_pack(cfg: KernelConfig, knobs: Knobs):
-    from kvq_jax.core.cache_config import resolve_paged
     from kvq_jax.kernels.page_pack import pallas_triton
 
     spec = cfg.spec
-    axis, group_size = resolve_paged(
-        spec.format, spec.kind, spec.shape(1)[1:], spec.axis, spec.group_size
-    )
+    axis, group_size = spec.resolved()
 
     def fn(pages, rows):
         return pallas_triton.pack_paged(

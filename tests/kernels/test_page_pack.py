@@ -256,9 +256,8 @@ def test_int2_comparison_catches_codes_packed_in_the_wrong_order(monkeypatch):
 def heavy_reference(spec, pages, rows) -> dict:
     """`pack_heavy` (kvq_jax.codecs.heavy) of each page alone with its rows, stacked, as the
     `PackedKV` fields of a heavy-row page plane."""
+    axis, group_size = spec.resolved()
     heavy = heavy_layout(spec.format)
-    axis, group_size = resolve_paged(spec.format, spec.kind, pages.shape[1:], spec.axis,
-                                     spec.group_size)  # fmt: skip
     each = []
     for page, r in zip(pages, rows, strict=True):
         hk = pack_heavy(
@@ -271,7 +270,9 @@ def heavy_reference(spec, pages, rows) -> dict:
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
-@pytest.mark.parametrize("spec", arg_specs.HEAVY_SPECS[::2], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec", (*arg_specs.HEAVY_SPECS[::2], arg_specs.HEAVY_INT4_KEYS), ids=lambda s: s.name
+)
 def test_heavy_rows_match_pack_heavy(spec, backend):
     """Heavy-row pages (values on channel groups, keys on token groups of G - 1 rows; the rows
     handed in: random, a group's first and last row, an index past the group) equal
@@ -329,7 +330,7 @@ def test_heavy_rows_arguments():
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
-@pytest.mark.parametrize("spec", arg_specs.INTB_SPECS[::2], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", arg_specs.INTB_SPECS, ids=lambda s: s.name)
 def test_intb_keys_match_pack_kv(spec, backend):
     """INTB key pages (bit streams of W bytes, W not a power of two; a per-layer format read
     as its layer) equal `pack_kv` of each page, on the edge pages."""
@@ -352,12 +353,13 @@ _INTB_MAPS = pallas_triton.intb_maps
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
 def test_intb_comparison_catches_msb_first_streams(monkeypatch):
     monkeypatch.setattr(pallas_triton, "intb_maps", _msb_first)
-    spec = arg_specs.INTB_SPECS[0]
+    spec = arg_specs.INTB_SPECS[-1]
     pages = jnp.asarray(edge_pages(spec))
     jax.clear_caches()
     try:
-        got = pack_paged(pages, **spec.kwargs, backend="pallas_interpret")
-        assert_trees_same_bytes(got, per_page(pages, **spec.kwargs), "planted defect")
+        got = pack_paged(pages, **spec.kwargs, layer=spec.layer, backend="pallas_interpret")
+        want = per_page(pages, **spec.kwargs, layer=spec.layer)
+        assert_trees_same_bytes(got, want, "planted defect")
     finally:
         jax.clear_caches()
 
@@ -402,9 +404,7 @@ def test_intb_kernel_matches_oracle():
 def test_kernel_matches_oracle(spec):
     pages = edge_pages(spec, seed=3)
     got = pack_paged(jnp.asarray(pages), **spec.kwargs, backend="pallas_interpret")
-    axis, group_size = resolve_paged(
-        spec.format, spec.kind, pages.shape[1:], spec.axis, spec.group_size
-    )
+    axis, group_size = spec.resolved()
     for i, page in enumerate(pages):
         want = oracle.pack(
             page, format=spec.format, kind=spec.kind, group_size=group_size, axis=axis
@@ -430,11 +430,10 @@ def test_e4m3_encode_matches_cast():
 # -- Triton lowering --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", arg_specs.SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", (*arg_specs.SPECS, arg_specs.HEAVY_INT4_KEYS),
+                         ids=lambda s: s.name)  # fmt: skip
 def test_kernel_lowers_for_cuda(spec):
-    axis, group_size = resolve_paged(
-        spec.format, spec.kind, spec.shape(1)[1:], spec.axis, spec.group_size
-    )
+    axis, group_size = spec.resolved()
     rows = spec.rows_struct(5)  # heavy-row values: their rows handed in
     heavy = rows is not None
     assert config_support(spec.shape(5), spec.np_dtype, **spec.kwargs, rows=heavy) is None

@@ -37,6 +37,21 @@ def intb_format(heads: int, head_dim: int) -> str:
     return _remember(IntBCodec([_row(head_dim, h) for h in range(heads)]))
 
 
+def intb_table_format(table) -> str:
+    """The name of the INTB format of bit table `table` ([H][D], FORMAT.md 2b), registered on
+    demand as the synthetic ones are."""
+    from kvq_jax.codecs.formats.intb import IntBCodec
+
+    return _remember(IntBCodec(table))
+
+
+def intb_layer_tables_format(tables) -> str:
+    """The name of the per-layer INTB format of `tables` ([N][H][D], one row width)."""
+    from kvq_jax.codecs.formats.intb import IntBLayersCodec
+
+    return _remember(IntBLayersCodec(tables))
+
+
 def intb_layers_format(heads: int, head_dim: int, layers: int = 3) -> str:
     """The name of a synthetic INTB format with one table per model layer (layer l, head h
     rolled by 3 l + h)."""

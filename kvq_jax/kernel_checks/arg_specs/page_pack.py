@@ -9,8 +9,8 @@ A `PagePackSpec` is one configuration (format, kind, page shape, dtype, group si
   HEAVY_SPECS  heavy rows (FORMAT.md 5a; the rows handed in, `heavy_rows`): values in the
                best policy's heavy64-hint4 at 64-token pages and heavy16-int2 (several heavy
                groups per page, four codes per byte), both head dims; keys over INTB (W = 30,
-               64-token pages) and over INT4 (two heavy groups per page), payload token
-               groups of G - 1 rows.
+               64-token pages; HEAVY_INT4_KEYS: over INT4, two heavy groups per page),
+               payload token groups of G - 1 rows.
   INTB_SPECS   INTB keys: one bit table and one per layer, rows of W bytes not a power of two.
   SMALL_SPECS  one configuration per format variant (each dtype at least once), small
                enough for interpret mode on a CPU.
@@ -28,8 +28,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from kvq_jax.codecs.formats.heavy_rows import register_heavy
-from kvq_jax.codecs.formats.intb import register_layer_tables, register_table
+from kvq_jax.kernel_checks.arg_specs.formats import (
+    ensure_registered,
+    heavy_format,
+    intb_layer_tables_format,
+    intb_table_format,
+)
 
 DTYPES = ("bfloat16", "float16", "float32")
 PAGE_SIZES = (16, 32, 64)
@@ -77,8 +81,18 @@ class PagePackSpec:
 
     @property
     def kwargs(self) -> dict:
-        """The `pack_paged` keyword arguments (backend, rows and layer excluded)."""
+        """The `pack_paged` keyword arguments (backend, rows and layer excluded); registers the
+        spec's synthetic format (INTB tables, heavy rows) on demand."""
+        ensure_registered(self.format)
         return dict(kind=self.kind, format=self.format, group_size=self.group_size, axis=self.axis)
+
+    def resolved(self) -> tuple[str, int]:
+        """(axis, group_size) as `pack_paged` resolves them (the format registered first)."""
+        from kvq_jax.core.cache_config import resolve_paged
+
+        kw = self.kwargs
+        return resolve_paged(self.format, self.kind, self.shape(1)[1:], kw["axis"],
+                             kw["group_size"])  # fmt: skip
 
     def shape(self, num_pages: int) -> tuple[int, int, int, int]:
         return (num_pages, self.page_size, self.num_heads, self.head_dim)
@@ -91,6 +105,7 @@ class PagePackSpec:
         """G of a heavy-row format (its rows are handed in), else None."""
         from kvq_jax.kernels._tile_decode import heavy_layout
 
+        ensure_registered(self.format)
         layout = heavy_layout(self.format)
         return None if layout is None else layout.heavy_group
 
@@ -140,31 +155,26 @@ def _table(head_dim: int, heads: int = 2) -> list[list[int]]:
 
 
 HEAVY_SPECS = (
-    PagePackSpec(register_heavy("hint4", 64), "value", 64, 2, 64, "bfloat16"),
-    PagePackSpec(register_heavy("hint4", 64), "value", 64, 2, 128, "float32"),
-    PagePackSpec(register_heavy("int2", 16), "value", 32, 2, 64, "float16"),
-    PagePackSpec(register_heavy("int2", 16), "value", 64, 2, 128, "bfloat16"),
-    PagePackSpec(register_heavy(register_table(_table(64)), 64), "key", 64, 2, 64, "bfloat16"),
-    PagePackSpec(register_heavy("int4", 16), "key", 32, 2, 128, "float32"),
+    PagePackSpec(heavy_format("hint4", 64), "value", 64, 2, 64, "bfloat16"),
+    PagePackSpec(heavy_format("hint4", 64), "value", 64, 2, 128, "float32"),
+    PagePackSpec(heavy_format("int2", 16), "value", 32, 2, 64, "float16"),
+    PagePackSpec(heavy_format("int2", 16), "value", 64, 2, 128, "bfloat16"),
+    PagePackSpec(heavy_format(intb_table_format(_table(64)), 64), "key", 64, 2, 64, "bfloat16"),
 )
+#: Heavy-row keys over INT4 (two heavy groups per page): lowered and checked in interpret mode,
+#: not in SPECS (the CI compile subsets: the heavy INTB keys compile the same kernel branch).
+HEAVY_INT4_KEYS = PagePackSpec(heavy_format("int4", 16), "key", 32, 2, 64, "float32")
 
 
-#: INTB keys (FORMAT.md 2b) on token groups: one table, and one table per layer (read as
-#: layer 1), rows of W bytes not a power of two.
+#: INTB keys (FORMAT.md 2b) on token groups: one table (W = 60 bytes) and one table per layer
+#: (read as layer 1; W = 30), rows of W bytes not a power of two.
 INTB_SPECS = (
-    PagePackSpec(register_table(_table(64)), "key", 64, 2, 64, "bfloat16"),
-    PagePackSpec(register_table(_table(128)), "key", 64, 2, 128, "float32"),
+    PagePackSpec(intb_table_format(_table(128)), "key", 64, 2, 128, "float32"),
     PagePackSpec(
-        register_layer_tables([_table(64), _table(64, 3)[1:]]),
-        "key",
-        32,
-        2,
-        64,
-        "float16",
-        16,
-        layer=1,
+        intb_layer_tables_format([_table(64), _table(64, 3)[1:]]), "key", 32, 2, 64, "float16",
+        16, layer=1,
     ),
-)
+)  # fmt: skip
 
 SPECS = _specs() + HEAVY_SPECS + INTB_SPECS
 
@@ -188,5 +198,5 @@ BENCH_SPECS = (
             ("hint2", "value", None),
         )
     ),
-    PagePackSpec(register_heavy("hint4", 64), "value", 64, 16, 128, "bfloat16"),
+    PagePackSpec(heavy_format("hint4", 64), "value", 64, 16, 128, "bfloat16"),
 )
