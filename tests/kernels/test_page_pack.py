@@ -31,12 +31,15 @@ from kvq_jax.cache.paged import pack_paged, resolve_paged
 from kvq_jax.cache.paged_cache import PagedCacheConfig, append, init_cache
 from kvq_jax.codecs.api import pack_kv, unpack_kv
 from kvq_jax.codecs.cache_state import codec_view
-from kvq_jax.codecs.formats.heavy_rows import register_heavy
-from kvq_jax.codecs.formats.intb import register_table
 from kvq_jax.codecs.heavy import pack_heavy
 from kvq_jax.codecs.residual import encode_residual
 from kvq_jax.core import registry
 from kvq_jax.kernel_checks.arg_specs import page_pack as arg_specs
+from kvq_jax.kernel_checks.arg_specs.formats import (
+    ensure_registered,
+    heavy_format,
+    intb_table_format,
+)
 from kvq_jax.kernels import backend as kernel_backend
 from kvq_jax.kernels._tile_decode import heavy_layout
 from kvq_jax.kernels.jax_compat import lower_for_gpu
@@ -300,7 +303,7 @@ def test_heavy_comparison_catches_a_wrong_heavy_row_code(monkeypatch):
 
 def test_heavy_kernel_matches_oracle():
     """Heavy rows over HINT4 (G 8, channel groups of 16) against the plain-Python oracle."""
-    spec = arg_specs.PagePackSpec(register_heavy("hint4", 8), "value", 16, 2, 16, "bfloat16", 16)
+    spec = arg_specs.PagePackSpec(heavy_format("hint4", 8), "value", 16, 2, 16, "bfloat16", 16)
     pages = edge_pages(spec, seed=3)
     rows = spec.heavy_rows(len(pages), seed=1)
     got = pack_paged(jnp.asarray(pages), **spec.kwargs, rows=rows, backend="pallas_interpret")
@@ -319,11 +322,12 @@ def test_heavy_rows_arguments():
         pack_paged(pages, **spec.kwargs, rows=jnp.zeros((2, 2, 2), jnp.uint8))
     with pytest.raises(ValueError, match="stores no heavy rows"):
         pack_paged(pages, kind="value", rows=jnp.zeros((2, 1, 2), jnp.uint8))
+    keys = {g: heavy_format("int4", g) for g in (16, 64)} | {0: heavy_format("hint4", 64)}
+    ensure_registered(*keys.values())  # synthetic formats, out of the registry after the module
     support = functools.partial(config_support, pages.shape, pages.dtype, kind="key", rows=True)
-    assert support(format=register_heavy("int4", 64)) is None  # payload on token groups
-    assert "over 'hint4' on token groups" in support(format=register_heavy("hint4", 64))
-    assert "token groups of one heavy group" in support(format=register_heavy("int4", 16),
-                                                        group_size=5)  # fmt: skip
+    assert support(format=keys[64]) is None  # payload on token groups
+    assert "over 'hint4' on token groups" in support(format=keys[0])
+    assert "token groups of one heavy group" in support(format=keys[16], group_size=5)
 
 
 # -- INTB keys ----------------------------------------------------------------------------------
@@ -365,7 +369,8 @@ def test_intb_comparison_catches_msb_first_streams(monkeypatch):
 
 
 def test_intb_streams_past_the_tile_limit_are_left_to_xla():
-    wide = register_table([[8] * 128] * 2)  # 8W = 1024 stream bits per row
+    wide = intb_table_format([[8] * 128] * 2)  # 8W = 1024 stream bits per row
+    ensure_registered(wide)
     reason = config_support((1, 64, 2, 128), jnp.bfloat16, kind="key", format=wide)
     assert "64 * 1024 exceeds the kernel's tile limit" in reason
     assert config_support((1, 32, 2, 128), jnp.bfloat16, kind="key", format=wide) is None
@@ -375,7 +380,7 @@ def test_intb_kernel_matches_oracle():
     """An INTB table of 1-8 bit channels (codes straddling bytes, W = 9) against the
     plain-Python oracle, token groups of 8."""
     table = [[1, 2, 3, 4, 5, 6, 7, 8, 8, 7, 6, 5, 4, 3, 2, 1], [8, 1, 7, 2, 6, 3, 5, 4] * 2]
-    spec = arg_specs.PagePackSpec(register_table(table), "key", 16, 2, 16, "bfloat16", 8)
+    spec = arg_specs.PagePackSpec(intb_table_format(table), "key", 16, 2, 16, "bfloat16", 8)
     pages = edge_pages(spec, seed=3)
     got = pack_paged(jnp.asarray(pages), **spec.kwargs, backend="pallas_interpret")
     assert got.codes.shape[-1] == 9
