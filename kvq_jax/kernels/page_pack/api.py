@@ -40,8 +40,9 @@ from kvq_jax.kernels.page_pack import pallas_triton, xla
 
 #: Formats the kernel implements.
 KERNEL_FORMATS = ("int4", "int2", "hint4", "hint2", "nvfp4", "fp8_e4m3")
-#: Bases of heavy-row formats the kernel packs (on channel groups: each payload row alone).
-HEAVY_BASES = ("int4", "int2", "hint4", "hint2")  # on channel groups; INT4, INT2, INTB on tokens
+#: Bases of heavy-row formats the kernel packs on channel groups (values: each payload row
+#: alone); on token groups of G - 1 rows (keys) it takes INT4, INT2 and INTB.
+HEAVY_BASES = ("int4", "int2", "hint4", "hint2")
 #: Largest page_size * D the kernel takes (one head tile in registers: 32 K elements).
 MAX_TILE_ELEMENTS = 2**15
 
@@ -107,7 +108,7 @@ def config_support(
 
     pages_shape / dtype: those of `pages` [P, page_size, H, D]; the other arguments as for
     `pack_paged`; rows: the call hands in each page's heavy rows (as the paged cache's
-    append does for heavy-row values). Invalid arguments raise as `pack_paged` would
+    append does for heavy-row formats). Invalid arguments raise as `pack_paged` would
     (ValueError / TypeError).
     """
     pages = jax.ShapeDtypeStruct(tuple(pages_shape), dtype)
@@ -192,7 +193,8 @@ def pack_paged(
         if rows.shape != want or not jnp.issubdtype(rows.dtype, jnp.integer):
             raise ValueError(f"rows must be an integer array {want}, got {rows.dtype} "
                              f"{rows.shape}")  # fmt: skip
-        rows = rows.astype(jnp.uint8)
+        # an index past a group is its last row (FORMAT.md 5a), as the XLA path clamps it
+        rows = jnp.clip(rows, 0, heavy.heavy_group - 1).astype(jnp.uint8)
     return dispatch(
         pages, kind=kind, format=format, group_size=group_size, axis=axis, backend=backend,
         launch=_launch.check_launch(launch), layer=layer, rows=rows,
