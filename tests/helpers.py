@@ -1,4 +1,5 @@
-"""Assertions shared by the test modules: byte equality of arrays and packed tensors."""
+"""Assertions shared by the test modules (byte equality of arrays and packed tensors) and a
+few builders (an adaptive-exit cache, serving rows)."""
 
 from __future__ import annotations
 
