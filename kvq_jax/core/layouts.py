@@ -218,6 +218,17 @@ class IntBLayout(FormatLayout):
         table = np.asarray(self.bits, np.int32)
         return np.cumsum(table, axis=1, dtype=np.int32) - table, table
 
+    def table_layouts(self) -> tuple[IntBLayout, ...]:
+        """One layout per bit table, in layer order (a format of one table: this one)."""
+        return (self,)
+
+    def stacked_maps(self) -> tuple[np.ndarray, ...]:
+        """Every table's static maps stacked on a leading table axis [N, ...] (N = 1 for one
+        table): levels, stream (channel, bit) and code (start, bits)."""
+        per = self.table_layouts()
+        fields = zip(*((t.levels(), *t.stream_maps(), *t.code_starts()) for t in per), strict=True)
+        return tuple(np.stack(f) for f in fields)
+
     def code_maps(self) -> tuple[np.ndarray, np.ndarray]:
         """int32 [H, D, 8] stream bit of bit i of each channel's code (clamped to the row),
         and bool [H, D, 8] whether bit i exists (i < b) (unpacking)."""
@@ -263,6 +274,9 @@ class IntBLayersLayout(IntBLayout):
     @property
     def num_layers(self) -> int:
         return len(self.tables)
+
+    def table_layouts(self) -> tuple[IntBLayout, ...]:
+        return tuple(IntBLayout(t, name=f"{self.name}[{i}]") for i, t in enumerate(self.tables))
 
 
 def intb_name(bits) -> str:

@@ -88,6 +88,7 @@ __all__ = [
     "chain_steps",
     "decode_plain_tile",
     "decode_tile",
+    "depth_tile",
     "e4m3_to_f32",
     "expand_groups",
     "fields",
@@ -184,10 +185,7 @@ def fields(fmt: str) -> tuple[str, ...] | None:
 def intb_maps(fmt: str) -> tuple[np.ndarray, np.ndarray]:
     """int32 [N, H, D] (first stream bit, width) of each channel's code, per layer table of
     INTB format `fmt` (N = 1 for a format of one table): `IntBLayout.code_starts`."""
-    layout = registry.layout(fmt)
-    tables = layout.tables if layout.per_layer else (layout.bits,)
-    maps = [IntBLayout(t, name="table").code_starts() for t in tables]
-    return np.stack([m[0] for m in maps]), np.stack([m[1] for m in maps])
+    return registry.layout(fmt).stacked_maps()[3:]
 
 
 def kernel_arrays(packed, prepare) -> list:
@@ -632,6 +630,12 @@ def chain_steps(cache, kind: str, loop: int) -> tuple[tuple, list]:
         steps.append((args["format"], args["axis"], args["group_size"], index[field, run], level,
                       i in absolute))  # fmt: skip
     return tuple(steps), planes
+
+
+def depth_tile(depth_ref, page):
+    """int32 [page_size, 1]: each row's exit loop, the row of page `page` of an adaptive-exit
+    cache's depth map uint8 [P, page_size] (None without one), for `reconstruct_tile`."""
+    return None if depth_ref is None else depth_ref[page, :].astype(jnp.int32)[:, None]
 
 
 def reconstruct_tile(steps, load, dtype, *, rotated: bool = False, depth=None, interpret: bool):

@@ -93,9 +93,7 @@ class IntBLayersCodec(IntBLayersLayout, Codec):
     def _stacked_maps(self) -> tuple[np.ndarray, ...]:
         """Every layer's static maps stacked on a leading layer axis [N, ...]: levels, stream
         (channel, bit) and code (start, bits), as `IntBLayout` of that layer's table."""
-        per = [IntBLayout(table) for table in self.tables]
-        fields = zip(*((t.levels(), *t.stream_maps(), *t.code_starts()) for t in per), strict=True)
-        return tuple(np.stack(f) for f in fields)
+        return self.stacked_maps()
 
     def maps(self, layer):
         """Layer `layer`'s (levels, (channel, bit), (start, bits)) (`IntBLayout`'s static maps

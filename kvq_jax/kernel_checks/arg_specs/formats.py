@@ -32,9 +32,7 @@ def _remember(codec) -> str:
 
 def intb_format(heads: int, head_dim: int) -> str:
     """The name of a synthetic INTB format of one [heads, head_dim] table (FORMAT.md 2b)."""
-    from kvq_jax.codecs.formats.intb import IntBCodec
-
-    return _remember(IntBCodec([_row(head_dim, h) for h in range(heads)]))
+    return intb_table_format([_row(head_dim, h) for h in range(heads)])
 
 
 def intb_table_format(table) -> str:
@@ -55,10 +53,8 @@ def intb_layer_tables_format(tables) -> str:
 def intb_layers_format(heads: int, head_dim: int, layers: int = 3) -> str:
     """The name of a synthetic INTB format with one table per model layer (layer l, head h
     rolled by 3 l + h)."""
-    from kvq_jax.codecs.formats.intb import IntBLayersCodec
-
     tables = [[_row(head_dim, 3 * layer + h) for h in range(heads)] for layer in range(layers)]
-    return _remember(IntBLayersCodec(tables))
+    return intb_layer_tables_format(tables)
 
 
 def heavy_format(base: str, heavy_group: int, heads: int | None = None,

@@ -90,9 +90,9 @@ class PagePackSpec:
         """(axis, group_size) as `pack_paged` resolves them (the format registered first)."""
         from kvq_jax.core.cache_config import resolve_paged
 
-        kw = self.kwargs
-        return resolve_paged(self.format, self.kind, self.shape(1)[1:], kw["axis"],
-                             kw["group_size"])  # fmt: skip
+        ensure_registered(self.format)
+        return resolve_paged(self.format, self.kind, self.shape(1)[1:], self.axis,
+                             self.group_size)  # fmt: skip
 
     def shape(self, num_pages: int) -> tuple[int, int, int, int]:
         return (num_pages, self.page_size, self.num_heads, self.head_dim)

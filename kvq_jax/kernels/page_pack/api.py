@@ -65,10 +65,8 @@ def _reason(page_shape, format: str, axis: str, group_size: int, rows: bool = Fa
                     f"heavy group (G - 1 = {g - 1} rows), not {group_size}")  # fmt: skip
         if not is_power_of_two(g) or page_size % g:
             return f"format {format!r}: heavy group {g} is not a power of two dividing page_size"
-        if not _tile_decode.is_intb(base):
-            format, axis, group_size = base, "channels", (group_size if axis == "channels" else d)
-        else:
-            format, group_size = base, g
+        # the kernel packs the base; on token groups, those of the gathered heavy groups
+        format, group_size = base, (group_size if axis == "channels" else g)
     if _tile_decode.is_intb(format):
         stream = 8 * pl_next_power_of_2(registry.layout(format).row_bytes)
         if axis != "tokens" or not is_power_of_two(group_size) or page_size % group_size:

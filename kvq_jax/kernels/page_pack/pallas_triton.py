@@ -69,7 +69,6 @@ from kvq_jax.core.constants import (
     NVFP4_ONE_SIXTH,
 )
 from kvq_jax.core.heavy import HEAVY_LEVELS
-from kvq_jax.core.layouts import IntBLayout
 from kvq_jax.kernels import _exact, _tile_decode
 from kvq_jax.kernels import launch as _launch
 from kvq_jax.kernels.launch import Launch
@@ -215,12 +214,8 @@ def _affine_kernel(x_ref, codes_ref, minimum_ref, scale_ref, *, axis, group_size
 def intb_maps(fmt: str, stream_bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """INTB format `fmt`'s packing maps, per layer table (N = 1 for one table): levels float32
     [N, H, D] (2^b - 1), and the channel and code bit int32 [N, H, stream_bits] of each stream
-    bit (`IntBLayout.stream_maps`), the bits past the row's 8W pointing at code bit 31 (zero)."""
-    layout = registry.layout(fmt)
-    tables = layout.tables if layout.per_layer else (layout.bits,)
-    per = [IntBLayout(t, name="table") for t in tables]
-    levels = np.stack([t.levels() for t in per])
-    channel, bit = (np.stack([m[i] for m in (t.stream_maps() for t in per)]) for i in range(2))
+    bit (`IntBLayout.stacked_maps`), the bits past the row's 8W pointing at code bit 31 (zero)."""
+    levels, channel, bit = registry.layout(fmt).stacked_maps()[:3]
     pad = stream_bits - channel.shape[-1]
     channel = np.pad(channel, ((0, 0), (0, 0), (0, pad)))
     bit = np.pad(bit, ((0, 0), (0, 0), (0, pad)), constant_values=31)

@@ -66,9 +66,9 @@ def _kernel(ids_ref, layer_ref, *refs, steps, fields, dtype, adaptive, interpret
             return _tile_decode.load_intb_tile(refs_, lead, page, h, layer_ref[0], load_meta)
         return _tile_decode.load_tile(fmt, refs_, lead, page, h)
 
-    depth = None if depth_ref is None else depth_ref[page, :].astype(jnp.int32)[:, None]
-    out_ref[...] = _tile_decode.reconstruct_tile(steps, load, dtype, depth=depth,
-                                                 interpret=interpret)  # fmt: skip
+    out_ref[...] = _tile_decode.reconstruct_tile(
+        steps, load, dtype, depth=_tile_decode.depth_tile(depth_ref, page), interpret=interpret
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "interpret", "launch"))

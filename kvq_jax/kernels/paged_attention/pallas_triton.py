@@ -155,8 +155,8 @@ def _kernel(*refs, chains, rotated, plain_heavy, rope, stage_loop, dtype, page_s
             return {n: meta(r) for n, r in zip(_tile_decode.FIELDS[fmt], refs_, strict=True)}
 
         rot = rotated and kind == "value"
-        depth = None if depth_ref is None else depth_ref[page, :].astype(jnp.int32)[:, None]
-        return reconstruct_tile(chains[kind][0], load, dtype, rotated=rot, depth=depth,
+        return reconstruct_tile(chains[kind][0], load, dtype, rotated=rot,
+                                depth=_tile_decode.depth_tile(depth_ref, page),
                                 interpret=interpret)  # fmt: skip
 
     def sink_mask(i, width):
