@@ -85,24 +85,28 @@ def _groups_of_16(name: str):
     return dataclasses.replace(POLICIES[name], name=f"{name}-g16", group_size=16)
 
 
-def _heavy_policy(monkeypatch, tables, rope_theta=None):
-    """A heavy-row policy (FORMAT.md 5a: one INT8 row per 16 tokens and KV head) over INTB
-    keys with `tables` and HINT4 values, the tiny models' mean-query tables random; with
+def _intb_policy(monkeypatch, tables, *, heavy: bool, rope_theta=None):
+    """(policy, mean-query tables or None): INTB keys with per-layer `tables` (served as the
+    tiny models' key tables; groups of 16) and HINT4 values; heavy: heavy rows (FORMAT.md 5a:
+    one INT8 row per 16 tokens and KV head) chosen with random mean-query tables; with
     `rope_theta`, keys stored before RoPE (FORMAT.md 5b)."""
     import ml_dtypes
 
     from kvq_jax.core import calibration
     from kvq_jax.core.policies import Policy
 
-    rng = np.random.default_rng(9)
-    queries = {i: rng.standard_normal((2, 2, 64)).astype(ml_dtypes.bfloat16) for i in tables}
+    queries = None
+    if heavy:
+        rng = np.random.default_rng(9)
+        queries = {i: rng.standard_normal((2, 2, 64)).astype(ml_dtypes.bfloat16) for i in tables}
     key_tables = calibration.KeyTables(("tiny",), tables, 16, "test", mean_query=queries,
                                        rope_theta=rope_theta)  # fmt: skip
     monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
-    policy = Policy("heavy-g16", "intb", "intb", group_size=16, v_base_format="hint4",
-                    v_residual_format="hint4", key_tables="tiny-heavy", heavy=16,
+    policy = Policy("heavy-g16" if heavy else "intb-g16", "intb", "intb", group_size=16,
+                    v_base_format="hint4", v_residual_format="hint4",
+                    key_tables="tiny-heavy" if heavy else "tiny", heavy=16 if heavy else None,
                     pre_rope=rope_theta is not None)  # fmt: skip
-    return policy, np.stack([queries[i] for i in sorted(tables)])
+    return policy, None if queries is None else np.stack([queries[i] for i in sorted(tables)])
 
 
 def test_heavy_rows_match_the_reference(tiny_llama, monkeypatch):
@@ -112,7 +116,7 @@ def test_heavy_rows_match_the_reference(tiny_llama, monkeypatch):
     from kvq_jax.core.registry import layout
 
     tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((8, 1, 3) * 20 + (4, 4, 4, 4), (3, 5) * 32)}
-    policy, queries = _heavy_policy(monkeypatch, tables)
+    policy, queries = _intb_policy(monkeypatch, tables, heavy=True)
     engine, _ = _against_reference(tiny_llama, policy)
     assert engine.spec.groups == (2,)
     keys, values = (layout(engine.cache_config.loop_format(k, 0)) for k in ("key", "value"))
@@ -125,7 +129,7 @@ def test_heavy_rows_in_every_loop_match_the_reference(monkeypatch):
     """2-loop Ouro, key tables of different widths (one format and layer group per layer):
     every loop stored whole with rows chosen from that loop's keys."""
     tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
-    policy, _ = _heavy_policy(monkeypatch, tables)
+    policy, _ = _intb_policy(monkeypatch, tables, heavy=True)
     engine, _ = _against_reference(tiny_model("ouro", seed=5, loops=2), policy)
     assert engine.spec.groups == (1, 1)
     assert engine.cache_configs[0].k_absolute == engine.cache_configs[0].v_absolute == (1,)
@@ -140,7 +144,7 @@ def test_keys_before_rope_match_the_reference(monkeypatch):
     more than the tolerance."""
     tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
     model = tiny_model("ouro", seed=5, loops=2)
-    policy, _ = _heavy_policy(monkeypatch, tables, rope_theta=model.config.rope_theta)
+    policy, _ = _intb_policy(monkeypatch, tables, heavy=True, rope_theta=model.config.rope_theta)
     engine, request = _against_reference(model, policy)
     assert {c.rope_theta for c in engine.cache_configs} == {model.config.rope_theta}
     # planted defect: the reference stores the keys as handed over (no RoPE taken off)
@@ -198,7 +202,7 @@ def test_the_best_policy_through_the_kernels_matches_the_reference(monkeypatch):
     steps against the page-by-page reference."""
     tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
     model = tiny_model("ouro", seed=5, loops=2)
-    policy, _ = _heavy_policy(monkeypatch, tables, rope_theta=model.config.rope_theta)
+    policy, _ = _intb_policy(monkeypatch, tables, heavy=True, rope_theta=model.config.rope_theta)
     calls = _through_the_kernels(monkeypatch, model, policy)
     assert calls["attention"] and all(c["interpret"] for c in calls["attention"])
     assert {c["kind"] for c in calls["pack"]} == {"key", "value"}
@@ -210,14 +214,8 @@ def test_intb_keys_through_the_kernels_match_the_reference(monkeypatch):
     layer; loop 1 an INTB delta) and HINT4 values on 2-loop Ouro through the kernels: the key
     pages pack in the kernel (each layer's stream maps), reconstruct in it for loop 1's deltas
     and are attended in it; 16 decode steps against the page-by-page reference."""
-    from kvq_jax.core import calibration
-    from kvq_jax.core.policies import Policy
-
     tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
-    key_tables = calibration.KeyTables(("tiny",), tables, 16, "test")
-    monkeypatch.setattr(calibration, "get_key_tables", lambda name: key_tables)
-    policy = Policy("intb-g16", "intb", "intb", group_size=16, v_base_format="hint4",
-                    v_residual_format="hint4", key_tables="tiny")  # fmt: skip
+    policy, _ = _intb_policy(monkeypatch, tables, heavy=False)
     calls = _through_the_kernels(monkeypatch, tiny_model("ouro", seed=5, loops=2), policy)
     packed = {c["format"] for c in calls["pack"] if c["kind"] == "key"}
     assert len(packed) == 2 and all(f.startswith("intb") for f in packed)

@@ -17,6 +17,7 @@ time: `reference_packed`), and the kernel those of the scalar oracle.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -216,10 +217,18 @@ def _compare_planted(format: str, backend: str) -> None:
     it (a defect planted by monkeypatch must be traced, not taken from a cache)."""
     spec = next(s for s in arg_specs.SMALL_SPECS if s.format == format)
     pages, expected = reference_packed(spec)
-    jax.clear_caches()
-    try:
+    with _traced_anew():
         got = pack_paged(pages, **spec.kwargs, backend=backend)
         assert_trees_same_bytes(got, expected, "planted defect")
+
+
+@contextlib.contextmanager
+def _traced_anew():
+    """JAX's caches cleared around a check of a planted defect (the monkeypatched function
+    must be traced, not taken from a cache, and must not stay in one)."""
+    jax.clear_caches()
+    try:
+        yield
     finally:
         jax.clear_caches()
 
@@ -293,12 +302,9 @@ def test_heavy_comparison_catches_a_wrong_heavy_row_code(monkeypatch):
     monkeypatch.setattr(pallas_triton, "HEAVY_LEVELS", np.float32(127.0))
     spec = arg_specs.HEAVY_SPECS[0]
     pages, rows = jnp.asarray(edge_pages(spec)), spec.heavy_rows(NUM_EDGE_PAGES)
-    jax.clear_caches()
-    try:
+    with _traced_anew():
         got = pack_paged(pages, **spec.kwargs, rows=rows, backend="pallas_interpret")
         assert_trees_same_bytes(got.arrays, heavy_reference(spec, pages, rows), "planted")
-    finally:
-        jax.clear_caches()
 
 
 def test_heavy_kernel_matches_oracle():
@@ -359,13 +365,10 @@ def test_intb_comparison_catches_msb_first_streams(monkeypatch):
     monkeypatch.setattr(pallas_triton, "intb_maps", _msb_first)
     spec = arg_specs.INTB_SPECS[-1]
     pages = jnp.asarray(edge_pages(spec))
-    jax.clear_caches()
-    try:
+    with _traced_anew():
         got = pack_paged(pages, **spec.kwargs, layer=spec.layer, backend="pallas_interpret")
         want = per_page(pages, **spec.kwargs, layer=spec.layer)
         assert_trees_same_bytes(got, want, "planted defect")
-    finally:
-        jax.clear_caches()
 
 
 def test_intb_streams_past_the_tile_limit_are_left_to_xla():
