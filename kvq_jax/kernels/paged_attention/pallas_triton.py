@@ -20,8 +20,8 @@ the attended pages ceil(seq_len / page_size):
     Keys stored before RoPE (`rope_theta`) get RoPE back on the reconstructed page: the
     halves x_lo, x_hi of each row turn by the page's float32 cos / sin (binary64 tables of
     `cache_state.key_rope`, program constants: no cosines per call), x_lo cos - x_hi sin
-    and x_hi cos + x_lo sin in float32 (never fused), rounded to the cache dtype (the XLA
-    path rounds the binary64 result: the keys agree but for rare last-place ties); scores
+    and x_hi cos + x_lo sin in float32 (never fused), rounded to the cache dtype (the
+    reference rounds the binary64 result: the keys agree but for rare last-place ties); scores
     are then taken on the halves;
   - the partial page (i == stored // page_size) comes from the staging rows (raw, cache dtype;
     rotated float32 for HINT values);
