@@ -415,3 +415,36 @@ def test_planted_defect_2_to_the_b_levels_is_caught(codecs, monkeypatch):
     original = affine.encode_group
     monkeypatch.setattr(affine, "encode_group", wrong_levels)
     check(_kv(np.random.default_rng(7), (6, 2, 6), F32), IRREG, codecs["irreg"], 3)
+
+
+def test_stream_reader_every_start_offset_against_the_oracle():
+    """`unpack_stream` (32-bit words, picked by selects) reads the oracle's codes for codes of
+    1..8 bits starting at every bit offset modulo 32, 8-bit codes straddling word boundaries,
+    the last code ending on the row's last bit, and rows of W = 9 and 18 bytes (not whole
+    words): random bytes, tables static and traced. Reading each code from its low word
+    alone (a reader that drops the straddling bits) is caught."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvq_jax.codecs.formats.intb import _pick, _words, unpack_stream
+    from kvq_jax.core.layouts import IntBLayout
+
+    rng = np.random.default_rng(11)
+    offsets = set()
+    for widths in ([8, 7, 6, 5, 4, 3, 2, 1, 8, 7, 6, 5, 4, 3, 1, 2], list(range(1, 9)) * 4):
+        for _ in range(6):
+            table = tuple(tuple(int(w) for w in rng.permutation(widths)) for _ in range(3))
+            starts, bits = IntBLayout(table).code_starts()
+            offsets.update((starts % 32).ravel().tolist())
+            shape = (5, 3, len(widths))
+            w = intb.row_bytes(table)
+            payload = rng.integers(0, 256, (5, 3, w), dtype=np.uint8)
+            want = np.array(intb.unpack_stream(payload.ravel().tolist(), shape, table))
+            got = unpack_stream(jnp.asarray(payload), starts, bits)
+            traced = jax.jit(unpack_stream)(jnp.asarray(payload), starts, bits)
+            for out in (got, traced):
+                np.testing.assert_array_equal(np.asarray(out).ravel(), want)
+            low = _pick(_words(jnp.asarray(payload)), jnp.asarray(starts // 32))
+            low_only = (low >> (starts % 32).astype(np.uint32)) & ((1 << bits) - 1)
+            assert (np.asarray(low_only).ravel() != want).any(), table
+    assert offsets == set(range(32))  # every start offset within a word was read

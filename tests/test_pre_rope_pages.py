@@ -104,11 +104,11 @@ def test_device_tables_are_the_oracles():
 def test_float32_rope_is_within_ulps_of_the_oracle():
     """Decode attention turns keys with `apply_rope_float32` (float32 products, the kernel's
     arithmetic): within 2 float32 ulps of the larger input half (two products rounded by
-    half an ulp each, their sum by up to one) of the oracle's binary64 rotation, at every position of a 32k
-    context, jitted; a sign slip (inverse rotation) is caught."""
+    half an ulp each, their sum by up to one) of the oracle's binary64 rotation, at
+    positions across a 32k context, jitted; a sign slip (the inverse rotation) is caught."""
     rng = np.random.default_rng(7)
     pos = np.concatenate([np.arange(64), rng.integers(64, 32768, 448)])
-    x = (rng.standard_normal((pos.size, 2, 128)) * 10.0 ** rng.uniform(-3, 3, (pos.size, 2, 1)))
+    x = rng.standard_normal((pos.size, 2, 128)) * 10.0 ** rng.uniform(-3, 3, (pos.size, 2, 1))
     x = x.astype(np.float32)
     config = _config(head_dim=128, rope_theta=1e6)
     cos, sin = cache_state.key_rope(config, pos)

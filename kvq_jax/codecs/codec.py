@@ -20,7 +20,13 @@ class Codec(CodecBase):
     (`PackedKV` -> values, materialized). Subclass a layout and this class, implement the two
     data paths, and add an instance with `kvq_jax.register_codec`; `pack` comes from
     `kvq_jax.core.codec_base.CodecBase`.
+
+    costly_decode: each decoded element costs many operations (INTB's word picks), so XLA
+    paths should not let it be recomputed inside a transposition (decode attention then takes
+    its scores key row by key row, `OnlineSoftmax(keys_by_row=True)`).
     """
+
+    costly_decode = False
 
     def _packed(self, arrays: dict, *, kind, axis, group_size, shape, dtype) -> PackedKV:
         return PackedKV(

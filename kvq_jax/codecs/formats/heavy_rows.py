@@ -64,6 +64,10 @@ class HeavyCodec(HeavyLayout, Codec):
         )  # fmt: skip
 
     @property
+    def costly_decode(self) -> bool:
+        return self.base_codec.costly_decode
+
+    @property
     def rotated_space(self) -> bool:
         """Over a Hadamard-rotated base (HINT), attention may read `unpack_rotated`."""
         return getattr(self.base_codec, "rotated_space", False)

@@ -102,6 +102,11 @@ def rotated_chain(chain) -> bool:
     return all(getattr(get_codec(plane.format), "rotated_space", False) for _, plane, _, _ in chain)
 
 
+def costly_chain(chain) -> bool:
+    """True when a plane of `chain` has a decode costly per element (`Codec.costly_decode`)."""
+    return any(get_codec(plane.format).costly_decode for _, plane, _, _ in chain)
+
+
 def decode_pages(chain, pages, *, depth=None, layer=None, rotated=False) -> jnp.ndarray:
     """One loop of physical pages `pages` (int32 [N]): [N, page_size, H, D] in the cache dtype.
 

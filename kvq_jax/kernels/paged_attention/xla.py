@@ -94,7 +94,8 @@ def paged_decode_attention(
     stage_start = full_end  # the partial page, if any, is staged
     limit = jnp.minimum(length, full_end)  # quantized rows attended: [n_sink, limit)
 
-    soft = OnlineSoftmax(jnp.asarray(q, jnp.float32).reshape(b, h, hq // h, d))
+    by_row = page_xla.costly_chain(cache.loop_chain("key", loop))
+    soft = OnlineSoftmax(jnp.asarray(q, jnp.float32).reshape(b, h, hq // h, d), keys_by_row=by_row)
     state = soft.init()
     rotated = page_xla.rotated_chain(cache.loop_chain("value", loop))
 
