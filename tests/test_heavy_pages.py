@@ -18,7 +18,7 @@ import kvq_jax
 from kvq_jax.cache import paged_cache
 from kvq_jax.cache.paged_attention import dense_decode_attention, paged_decode_attention
 from kvq_jax.codecs.api import pack_kv, unpack_kv
-from kvq_jax.codecs.formats.heavy_rows import HeavyCodec, register_heavy
+from kvq_jax.codecs.formats.heavy_rows import HeavyCodec, payload_positions, register_heavy
 from kvq_jax.codecs.heavy import pack_heavy, select_heavy, unpack_heavy
 from kvq_jax.codecs.registry import get_codec
 from kvq_jax.core.cache_config import PagedCacheConfig
@@ -81,6 +81,29 @@ def test_codec_is_pack_heavy(formats, jit, t):
         _same(got_v, pack_heavy(v, rows, kind="value", format="hint4", group_size=G), "values")
     other = pack_kv(k, kind="key", format=layered, layer=0)
     assert np.asarray(other.heavy_rows).tobytes() != np.asarray(got.heavy_rows).tobytes()
+
+
+@pytest.mark.parametrize("t", [96, 97])
+def test_unmerged_parts_are_unpack_heavys_rows(formats, t):
+    """`HeavyCodec.unpack_parts` (what decode attention reads): the payload rows put at
+    `payload_positions` and the heavy rows at g*G + rows equal unpack_heavy's rows (keys;
+    values in the rotated space against `unpack_rotated`), every row placed once."""
+    layered, _, values = formats
+    k, v = K[0, 0, :t], V[0, 0, :t]
+    rows = select_heavy(k, TABLES[1], group_size=G)
+    for fmt, x, kind, rotated in ((layered, k, "key", False), (values, v, "value", True)):
+        codec = get_codec(fmt)
+        packed = pack_kv(x, kind=kind, format=fmt, layer=1) if kind == "key" else codec.pack(
+            jnp.asarray(x), kind=kind, axis="channels", group_size=64, rows=rows)  # fmt: skip
+        rest, heavy, got_rows = codec.unpack_parts(packed, 1, rotated=rotated)
+        np.testing.assert_array_equal(got_rows, np.asarray(rows, np.int32))
+        out = np.full((t, H, D), np.nan, np.float32)
+        where = np.asarray(payload_positions(got_rows, G, t))  # [T - nG, H]
+        for h in range(H):
+            out[where[:, h], h] = np.asarray(rest)[:, h]
+            out[np.arange(len(rows)) * G + np.asarray(rows)[:, h], h] = np.asarray(heavy)[:, h]
+        want = codec.unpack_rotated(packed) if rotated else unpack_kv(packed, F32, 1)
+        np.testing.assert_array_equal(out, np.asarray(want), err_msg=kind)
 
 
 def test_codec_errors(formats):
@@ -205,6 +228,26 @@ def _plant_value_rows(monkeypatch):
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
 def test_planted_defect_values_choose_their_own_rows(formats, monkeypatch):
     _plant_value_rows(monkeypatch)
+    jax.clear_caches()
+    try:
+        test_pages_and_attention(formats, [T], None)
+    finally:
+        jax.clear_caches()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_planted_defect_attention_ignores_the_heavy_row_shift(formats, monkeypatch):
+    """Decode attention reads heavy pages unmerged (payload rows and heavy rows as stored,
+    each masked at its own position): payload positions that forget the heavy row before
+    them mask the wrong rows at the sink and the sequence's end."""
+    from kvq_jax.kernels.paged_attention import xla as attention_xla
+
+    def unshifted(rows, g, t):
+        n = rows.shape[0]
+        pos = jnp.arange(n)[:, None, None] * g + jnp.arange(g - 1)[None, :, None]
+        return jnp.broadcast_to(pos, (n, g - 1, rows.shape[1])).reshape(-1, rows.shape[1])
+
+    monkeypatch.setattr(attention_xla, "payload_positions", unshifted)
     jax.clear_caches()
     try:
         test_pages_and_attention(formats, [T], None)

@@ -103,10 +103,13 @@ class OnlineSoftmax:
         )
 
     def update(self, state, k, v, valid):
-        """Fold rows k, v [B, T, H, D] (any float dtype) where valid [B, T] into the state."""
+        """Fold rows k, v [B, T, H, D] (any float dtype) where valid [B, T] (or per head,
+        [B, T, H]) into the state."""
         m, l_sum, acc = state
         hi = jax.lax.Precision.HIGHEST
-        valid4 = valid[:, :, None, None]
+        if valid.ndim == 2:
+            valid = jnp.broadcast_to(valid[:, :, None], (*valid.shape, k.shape[2]))
+        valid4 = valid[..., None]
         # Invalid rows may hold anything (an unwritten page decodes to garbage): zero them.
         k = jnp.where(valid4, k.astype(jnp.float32), 0.0)
         v = jnp.where(valid4, v.astype(jnp.float32), 0.0)
@@ -116,7 +119,7 @@ class OnlineSoftmax:
         else:
             s = jnp.einsum("bhgd,bthd->bhgt", self.q, k, precision=hi)
         s = s * self.scale
-        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        s = jnp.where(jnp.swapaxes(valid, 1, 2)[:, :, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing valid yet: no NaN
         alpha = jnp.exp(m - m_safe)

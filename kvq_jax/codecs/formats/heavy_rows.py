@@ -20,7 +20,7 @@ from kvq_jax.core.codec_base import layer_arg
 from kvq_jax.core.heavy import check_heavy_rows
 from kvq_jax.core.layouts import HEAVY_FIELDS, HeavyLayout
 
-__all__ = ["HeavyCodec", "register_heavy"]
+__all__ = ["HeavyCodec", "payload_positions", "register_heavy"]
 
 
 class HeavyCodec(HeavyLayout, Codec):
@@ -126,6 +126,27 @@ class HeavyCodec(HeavyLayout, Codec):
         heads = jnp.broadcast_to(jnp.arange(h), rows.shape)
         return decode(spread).at[rows, heads].set(decoded, mode="drop", unique_indices=True)
 
+    def unpack_parts(self, packed, layer=None, *, rotated: bool = False):
+        """The pieces `unpack` merges, unmerged: (payload float32 [T - nG, H, D], heavy
+        float32 [nG, H, D], rows int32 [nG, H]): the payload rows decoded by the base in
+        payload order (head h's row g*(G-1) + j is row g*G + j + (j >= rows[g, h])), the heavy
+        rows' INT8 decode (row g*G + rows[g, h]). rotated (`rotated_space` only): both in the
+        base's rotated space, as `unpack_rotated`. For readers that do not need the rows in
+        order (decode attention: a softmax over rows is the same in any order)."""
+        base = self.base_codec
+        payload = self._payload(packed)
+        if rotated:
+            from kvq_jax.codecs.formats.hadamard import rotate
+
+            rest, heavy_map = base.unpack_rotated(payload), rotate
+        else:
+            rest = base.unpack(payload, np.dtype(np.float32), **layer_arg(base, layer))
+            heavy_map = None
+        heavy = {f: getattr(packed, f) for f in HEAVY_FIELDS}
+        decoded = heavy_rows_decoded(heavy, *packed.shape[1:])
+        decoded = decoded if heavy_map is None else heavy_map(decoded)
+        return rest, decoded, heavy["heavy_rows"].astype(jnp.int32)
+
     def unpack(self, packed, dtype, layer=None) -> jnp.ndarray:
         base = self.base_codec
 
@@ -153,6 +174,16 @@ def _spread_rows(a, rows, n: int, g: int, t: int) -> jnp.ndarray:
     i = jnp.arange(g).reshape(1, g, *([1] * (a.ndim - 1)))
     r = rows.reshape(n, 1, rows.shape[1], *([1] * (a.ndim - 2)))
     return jnp.where(i < r, before, after).reshape(n * g, *a.shape[1:])[:t]
+
+
+def payload_positions(rows, g: int, t: int) -> jnp.ndarray:
+    """int32 [T - nG, H]: the row (within T) of each payload row of each head, for heavy rows
+    `rows` int [nG, H] in groups of `g` (FORMAT.md 5a: row g*(G-1) + j of head h is row
+    g*G + j + (j >= rows[g, h]))."""
+    n = rows.shape[0]
+    j = jnp.arange(g - 1)[None, :, None]
+    pos = jnp.arange(n)[:, None, None] * g + j + (j >= rows[:, None, :])
+    return pos.reshape(n * (g - 1), rows.shape[1])[: t - n]
 
 
 def register_heavy(base: str, heavy_group: int, tables=None) -> str:

@@ -102,6 +102,25 @@ def rotated_chain(chain) -> bool:
     return all(getattr(get_codec(plane.format), "rotated_space", False) for _, plane, _, _ in chain)
 
 
+def heavy_chain(chain) -> int | None:
+    """G when `chain` is one heavy-row plane (`HeavyCodec`; the paged cache stores heavy rows
+    only in loops stored whole, FORMAT.md 5a), else None."""
+    if len(chain) != 1:
+        return None
+    return getattr(get_codec(chain[0][1].format), "heavy_group", None)
+
+
+def decode_heavy_parts(chain, pages, *, layer=None, rotated=False):
+    """The pages `pages` (int32 [N]) of a one-plane heavy-row chain (`heavy_chain`), unmerged
+    (`HeavyCodec.unpack_parts` per page): payload float32 [N, R, H, D] in payload order,
+    heavy rows float32 [N, nG, H, D], their rows int32 [N, nG, H]."""
+    ((_, plane, level, _),) = chain
+    codec = get_codec(plane.format)
+    return jax.vmap(lambda p: codec.unpack_parts(p, layer, rotated=rotated))(
+        _take(plane, pages, False, level=level)
+    )
+
+
 def costly_chain(chain) -> bool:
     """True when a plane of `chain` has a decode costly per element (`Codec.costly_decode`)."""
     return any(get_codec(plane.format).costly_decode for _, plane, _, _ in chain)

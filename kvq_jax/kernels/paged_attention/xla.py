@@ -37,6 +37,7 @@ from jax import lax
 from kvq_jax.codecs import cache_state
 from kvq_jax.codecs.attention import OnlineSoftmax, attend, default_block_pages
 from kvq_jax.codecs.formats.hadamard import rotate, unrotate
+from kvq_jax.codecs.formats.heavy_rows import payload_positions
 from kvq_jax.codecs.rope import apply_rope_float32
 from kvq_jax.kernels.page_reconstruct import xla as page_xla
 
@@ -137,9 +138,36 @@ def paged_decode_attention(
             keys = apply_rope_float32(keys, *block).astype(config.dtype)
         return soft.update(state, keys, decode("value", pages), valid)
 
+    step = body
+    key_chain, value_chain = (cache.loop_chain(kind, loop) for kind in ("key", "value"))
+    group = page_xla.heavy_chain(key_chain)
+    if rope is None and group is not None and page_xla.heavy_chain(value_chain) == group:
+        # Heavy rows in K and V (the same rows, FORMAT.md 5a): each page's payload rows and
+        # heavy rows are attended as stored, each row masked at its own position, not put
+        # back in order (a softmax over rows is the same in any order): no spread payload,
+        # no scatter of the heavy rows. (Keys before RoPE take the path above: turning
+        # payload rows at per-head positions costs XLA:CPU more than the spread saves.)
+        def heavy_body(j, state):
+            pages = jax.lax.dynamic_slice_in_dim(page_ids, j * block_pages, block_pages, axis=1)
+            pages = pages.reshape(-1)
+            kp, kh, rows = page_xla.decode_heavy_parts(key_chain, pages, layer=cache.layer)
+            vp, vh, _ = page_xla.decode_heavy_parts(value_chain, pages, rotated=rotated)
+            # each page's first position, [B * block_pages, 1, 1]
+            first = j * block_tokens + jnp.tile(jnp.arange(block_pages) * ps, b)[:, None, None]
+            payload = jax.vmap(payload_positions, (0, None, None))(rows, group, ps) + first
+            heavy = jnp.arange(rows.shape[1])[None, :, None] * group + rows + first
+            for k, v, pos in ((kp, vp, payload), (kh, vh, heavy)):
+                k, v, pos = (a.reshape(b, -1, *a.shape[2:]) for a in (k, v, pos))  # [B, n, ...]
+                v = v if rotated else v.astype(config.dtype)
+                valid = (pos >= n_sink) & (pos < limit[:, None, None])  # [B, n, H]
+                state = soft.update(state, k.astype(config.dtype), v, valid)
+            return state
+
+        step = heavy_body
+
     # Blocks past every sequence's last quantized row are never decoded.
     needed = jnp.minimum((jnp.max(limit) + block_tokens - 1) // block_tokens, n_blocks)
-    state = jax.lax.fori_loop(0, needed, body, state)
+    state = jax.lax.fori_loop(0, needed, step, state)
     out = soft.finish(state)  # [B, H, G, D]
     out = (unrotate(out) if rotated else out).reshape(b, hq, d)
     if not return_lse:
