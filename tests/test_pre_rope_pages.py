@@ -27,7 +27,7 @@ from kvq_jax.codecs.api import pack_kv, unpack_kv
 from kvq_jax.codecs.formats.heavy_rows import register_heavy
 from kvq_jax.codecs.heavy import pack_heavy, select_heavy
 from kvq_jax.codecs.residual import decode_residual, encode_residual
-from kvq_jax.codecs.rope import apply_rope_float32, invert_rope, rope_at
+from kvq_jax.codecs.rope import apply_rope_halves, invert_rope, rope_at
 from kvq_jax.core import offload
 from kvq_jax.core.cache_config import PagedCacheConfig
 from kvq_jax.core.rope import rope_tables
@@ -102,7 +102,7 @@ def test_device_tables_are_the_oracles():
 
 
 def test_float32_rope_is_within_ulps_of_the_oracle():
-    """Decode attention turns keys with `apply_rope_float32` (float32 products, the kernel's
+    """Decode attention turns keys with `apply_rope_halves` (float32 products, the kernel's
     arithmetic): within 2 float32 ulps of the larger input half (two products rounded by
     half an ulp each, their sum by up to one) of the oracle's binary64 rotation, at
     positions across a 32k context, jitted; a sign slip (the inverse rotation) is caught."""
@@ -112,7 +112,7 @@ def test_float32_rope_is_within_ulps_of_the_oracle():
     x = x.astype(np.float32)
     config = _config(head_dim=128, rope_theta=1e6)
     cos, sin = cache_state.key_rope(config, pos)
-    got = np.asarray(jax.jit(apply_rope_float32)(x, cos, sin))
+    got = np.concatenate(jax.jit(apply_rope_halves)(x, cos, sin), axis=-1)
     want = np.concatenate(
         [oracle.apply_rope(x[i : i + 1], 1e6, offset=int(p)) for i, p in enumerate(pos)]
     )

@@ -104,20 +104,25 @@ class OnlineSoftmax:
 
     def update(self, state, k, v, valid):
         """Fold rows k, v [B, T, H, D] (any float dtype) where valid [B, T] (or per head,
-        [B, T, H]) into the state."""
+        [B, T, H]) into the state. k may be a tuple of parts [B, T, H, D / n] splitting the
+        channels evenly (RoPE's halves): the scores are the sum of the parts' scores."""
         m, l_sum, acc = state
         hi = jax.lax.Precision.HIGHEST
         if valid.ndim == 2:
-            valid = jnp.broadcast_to(valid[:, :, None], (*valid.shape, k.shape[2]))
+            valid = jnp.broadcast_to(valid[:, :, None], (*valid.shape, v.shape[2]))
         valid4 = valid[..., None]
         # Invalid rows may hold anything (an unwritten page decodes to garbage): zero them.
-        k = jnp.where(valid4, k.astype(jnp.float32), 0.0)
         v = jnp.where(valid4, v.astype(jnp.float32), 0.0)
-        if self.keys_by_row:  # [B, H, T, G] = K q^T per (b, h), then to [B, H, G, T]
-            s = jnp.swapaxes(jax.lax.dot_general(k, self.q, (((3,), (3,)), ((0, 2), (0, 1))),
-                                             precision=hi), -1, -2)  # fmt: skip
-        else:
-            s = jnp.einsum("bhgd,bthd->bhgt", self.q, k, precision=hi)
+        parts = k if isinstance(k, tuple) else (k,)
+        q_parts = jnp.split(self.q, len(parts), axis=-1)
+        s = 0.0
+        for k, q in zip(parts, q_parts, strict=True):
+            k = jnp.where(valid4, k.astype(jnp.float32), 0.0)
+            if self.keys_by_row:  # [B, H, T, G] = K q^T per (b, h), then to [B, H, G, T]
+                s = s + jnp.swapaxes(jax.lax.dot_general(k, q, (((3,), (3,)), ((0, 2), (0, 1))),
+                                                         precision=hi), -1, -2)  # fmt: skip
+            else:
+                s = s + jnp.einsum("bhgd,bthd->bhgt", q, k, precision=hi)
         s = s * self.scale
         s = jnp.where(jnp.swapaxes(valid, 1, 2)[:, :, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))

@@ -26,16 +26,18 @@ def _rotate(x, cos, sin, sign: float):
         return jnp.concatenate([a.astype(np.float32) for a in out], axis=-1)
 
 
-def apply_rope_float32(x, cos, sin):
-    """`apply_rope` in float32 arithmetic (each product rounded, the sum rounded; XLA may fuse
-    them): within about one float32 ulp of `apply_rope`, at a fraction of its cost on the XLA
-    path. For rows that only enter dot products (decode attention's keys, as the attention
-    kernel turns them); never for bytes a format specifies."""
+def apply_rope_halves(x, cos, sin):
+    """`apply_rope` in float32 arithmetic, as its two halves (x_lo cos - x_hi sin,
+    x_hi cos + x_lo sin; each product rounded, the sum rounded, XLA may fuse them): within
+    2 float32 ulps of `apply_rope`, at a fraction of its cost on the XLA path, and not
+    concatenated (scores are taken on the halves, `OnlineSoftmax.update` with a tuple). For
+    rows that only enter dot products (decode attention's keys, as the attention kernel
+    turns them); never for bytes a format specifies."""
     h = x.shape[-1] // 2
     x = x.astype(jnp.float32)
     lo, hi = x[..., :h], x[..., h:]
     cos, sin = (jnp.asarray(a, jnp.float32)[..., :h] for a in (cos, sin))
-    return jnp.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
+    return lo * cos - hi * sin, hi * cos + lo * sin
 
 
 def apply_rope(x, cos, sin):

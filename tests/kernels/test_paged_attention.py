@@ -295,6 +295,28 @@ def test_rope_comparison_catches_keys_left_before_rope(monkeypatch):
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
+def test_xla_heavy_rope_comparison_catches_payload_rows_turned_at_their_stored_place(
+    monkeypatch,
+):
+    """The XLA path reads heavy pages unmerged and turns each payload row at its position;
+    positions that forget the heavy row before a row (its place among the payload rows)
+    turn the rows after it by the wrong angle, and the comparison fails."""
+
+    def unshifted(rows, g, t):
+        n, h = rows.shape
+        pos = jnp.arange(n)[:, None, None] * g + jnp.arange(g - 1)[None, :, None]
+        return jnp.broadcast_to(pos, (n, g - 1, h)).reshape(-1, h)[: t - n]
+
+    monkeypatch.setattr(paged_attention_xla, "payload_positions", unshifted)
+    jax.clear_caches()
+    try:
+        out, ref = TestXLA().run(HEAVY_ROPE_SPEC)
+        assert_close(out, ref, "planted defect")
+    finally:
+        jax.clear_caches()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a planted defect must be caught")
 def test_heavy_comparison_catches_the_plain_heavy_share_dropped(monkeypatch):
     """The comparison fails when the kernel's second accumulator (the heavy value rows,
     plain) is left out of the output."""

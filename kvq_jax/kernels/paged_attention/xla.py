@@ -22,9 +22,14 @@ value row; the reference rounds each decoded row to the cache dtype first, so fo
 or float16 cache the two differ by that rounding (float32 caches: float32 round-off).
 
 Keys stored before RoPE (`PagedCacheConfig.rope_theta`) get RoPE back block by block, at
-their positions, in float32 arithmetic rounded to the cache dtype (`apply_rope_float32`, as
-the attention kernel turns them): within about an ulp of the reference's binary64 rotation
-(`cache_state.rope_keys`), at a quarter of its cost on XLA:CPU.
+their positions, in float32 arithmetic rounded to the cache dtype (`apply_rope_halves`, as the
+attention kernel turns them): within 2 ulps of the reference's binary64 rotation
+(`cache_state.rope_keys`), and the scores are taken on the two halves (XLA:CPU evaluates a
+concatenation element by element).
+
+Heavy rows in K and V (FORMAT.md 5a) are attended as stored: each page's payload rows and its
+heavy rows, each masked and turned at its own per-head position, not put back in order (a
+softmax is the same in any order of its rows): no payload spread, no scatter.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from kvq_jax.codecs import cache_state
 from kvq_jax.codecs.attention import OnlineSoftmax, attend, default_block_pages
 from kvq_jax.codecs.formats.hadamard import rotate, unrotate
 from kvq_jax.codecs.formats.heavy_rows import payload_positions
-from kvq_jax.codecs.rope import apply_rope_float32
+from kvq_jax.codecs.rope import apply_rope_halves
 from kvq_jax.kernels.page_reconstruct import xla as page_xla
 
 
@@ -135,35 +140,14 @@ def paged_decode_attention(
         keys = decode("key", pages)
         if rope is not None:  # keys stored before RoPE: put back at their positions
             block = [lax.dynamic_slice_in_dim(a, j * block_tokens, block_tokens) for a in rope]
-            keys = apply_rope_float32(keys, *block).astype(config.dtype)
+            keys = tuple(a.astype(config.dtype) for a in apply_rope_halves(keys, *block))
         return soft.update(state, keys, decode("value", pages), valid)
 
     step = body
-    key_chain, value_chain = (cache.loop_chain(kind, loop) for kind in ("key", "value"))
-    group = page_xla.heavy_chain(key_chain)
-    if rope is None and group is not None and page_xla.heavy_chain(value_chain) == group:
-        # Heavy rows in K and V (the same rows, FORMAT.md 5a): each page's payload rows and
-        # heavy rows are attended as stored, each row masked at its own position, not put
-        # back in order (a softmax over rows is the same in any order): no spread payload,
-        # no scatter of the heavy rows. (Keys before RoPE take the path above: turning
-        # payload rows at per-head positions costs XLA:CPU more than the spread saves.)
-        def heavy_body(j, state):
-            pages = jax.lax.dynamic_slice_in_dim(page_ids, j * block_pages, block_pages, axis=1)
-            pages = pages.reshape(-1)
-            kp, kh, rows = page_xla.decode_heavy_parts(key_chain, pages, layer=cache.layer)
-            vp, vh, _ = page_xla.decode_heavy_parts(value_chain, pages, rotated=rotated)
-            # each page's first position, [B * block_pages, 1, 1]
-            first = j * block_tokens + jnp.tile(jnp.arange(block_pages) * ps, b)[:, None, None]
-            payload = jax.vmap(payload_positions, (0, None, None))(rows, group, ps) + first
-            heavy = jnp.arange(rows.shape[1])[None, :, None] * group + rows + first
-            for k, v, pos in ((kp, vp, payload), (kh, vh, heavy)):
-                k, v, pos = (a.reshape(b, -1, *a.shape[2:]) for a in (k, v, pos))  # [B, n, ...]
-                v = v if rotated else v.astype(config.dtype)
-                valid = (pos >= n_sink) & (pos < limit[:, None, None])  # [B, n, H]
-                state = soft.update(state, k.astype(config.dtype), v, valid)
-            return state
-
-        step = heavy_body
+    group = page_xla.heavy_chain(cache.loop_chain("key", loop))
+    if group is not None and page_xla.heavy_chain(cache.loop_chain("value", loop)) == group:
+        step = _heavy_body(cache, loop, soft, page_ids, limit, group=group, n_blocks=n_blocks,
+                           block_pages=block_pages, n_sink=n_sink, rotated=rotated)  # fmt: skip
 
     # Blocks past every sequence's last quantized row are never decoded.
     needed = jnp.minimum((jnp.max(limit) + block_tokens - 1) // block_tokens, n_blocks)
@@ -174,6 +158,61 @@ def paged_decode_attention(
         return out
     lse = soft.lse(state).reshape(b, hq)
     return jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), lse
+
+
+def _heavy_body(cache, loop, soft, page_ids, limit, *, group, n_blocks, block_pages, n_sink,
+                rotated):  # fmt: skip
+    """The loop body of `paged_decode_attention` over heavy rows in K and V (the same rows,
+    FORMAT.md 5a): each page's payload rows and heavy rows attended as stored
+    (`decode_heavy_parts`), each row masked (and, for keys stored before RoPE, turned) at its
+    own per-head position, not put back in order (a softmax over rows is the same in any
+    order): no payload spread, no scatter of the heavy rows."""
+    config = cache.config
+    ps, b = config.page_size, page_ids.shape[0]
+    block_tokens = block_pages * ps
+    key_chain, value_chain = (cache.loop_chain(kind, loop) for kind in ("key", "value"))
+    n_payload = block_pages * (ps - ps // group)  # payload rows of a block of pages
+    rope = cache_state.key_rope(config, np.arange(n_blocks * block_tokens))
+    if rope is not None:
+        # A payload row's position is its place without the heavy row of its group (static,
+        # `fixed`) or one more: its tables are one of two constants', chosen per head.
+        in_page = np.arange(ps).reshape(ps // group, group)[:, : group - 1].reshape(-1)
+        fixed = (np.arange(n_blocks * block_pages)[:, None] * ps + in_page).reshape(-1)
+        tables = [cache_state.key_rope(config, fixed + i) for i in (0, 1)]
+
+    def keys(k, pos, j, payload: bool):
+        """Key rows [B, n, H, D] at positions pos [B, n, H]: as they are, or (keys before
+        RoPE) RoPE's two halves, for scores taken on the halves."""
+        if rope is None:
+            return k.astype(config.dtype)
+        if payload:  # [1, n, 1, D / 2] tables of the fixed place and of one more
+            here, after = ([lax.dynamic_slice_in_dim(a, j * n_payload, n_payload)[None]
+                            for a in t] for t in tables)  # fmt: skip
+            start = lax.dynamic_slice_in_dim(jnp.asarray(fixed, jnp.int32), j * n_payload,
+                                             n_payload)  # fmt: skip
+            moved = (pos > start[None, :, None])[..., None]
+            turn = [jnp.where(moved, a1, a0) for a0, a1 in zip(here, after, strict=True)]
+        else:  # a few rows per page: their tables gathered
+            turn = [a[:, 0][pos] for a in rope]
+        return tuple(a.astype(config.dtype) for a in apply_rope_halves(k, *turn))
+
+    def body(j, state):
+        pages = lax.dynamic_slice_in_dim(page_ids, j * block_pages, block_pages, axis=1)
+        pages = pages.reshape(-1)
+        kp, kh, rows = page_xla.decode_heavy_parts(key_chain, pages, layer=cache.layer)
+        vp, vh, _ = page_xla.decode_heavy_parts(value_chain, pages, rotated=rotated)
+        # each page's first position, [B * block_pages, 1, 1]
+        first = j * block_tokens + jnp.tile(jnp.arange(block_pages) * ps, b)[:, None, None]
+        payload = jax.vmap(payload_positions, (0, None, None))(rows, group, ps) + first
+        heavy = jnp.arange(rows.shape[1])[None, :, None] * group + rows + first
+        for k, v, pos, is_payload in ((kp, vp, payload, True), (kh, vh, heavy, False)):
+            k, v, pos = (a.reshape(b, -1, *a.shape[2:]) for a in (k, v, pos))  # [B, n, ...]
+            v = v if rotated else v.astype(config.dtype)
+            valid = (pos >= n_sink) & (pos < limit[:, None, None])  # [B, n, H]
+            state = soft.update(state, keys(k, pos, j, is_payload), v, valid)
+        return state
+
+    return body
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_reference"]
