@@ -39,12 +39,12 @@ def pack_stream(codes: jnp.ndarray, channel, bit) -> jnp.ndarray:
 
 
 def _words(packed: jnp.ndarray) -> jnp.ndarray:
-    """uint8 [..., W] -> uint32 [..., ceil(W / 4) + 1]: the stream as little-endian 32-bit
-    words (bytes past W zero), then a zero word (the high word of a code in the last one)."""
+    """uint8 [..., W] -> uint32 [..., ceil(W / 4)]: the stream as little-endian 32-bit words
+    (bytes past W zero)."""
     w = packed.shape[-1]
     n = -(-w // 4)
-    p = jnp.pad(packed, [(0, 0)] * (packed.ndim - 1) + [(0, 4 * (n + 1) - w)])
-    p = p.astype(jnp.uint32).reshape(*p.shape[:-1], n + 1, 4)
+    p = jnp.pad(packed, [(0, 0)] * (packed.ndim - 1) + [(0, 4 * n - w)])
+    p = p.astype(jnp.uint32).reshape(*p.shape[:-1], n, 4)
     return p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16) | (p[..., 3] << 24)
 
 
@@ -70,7 +70,10 @@ def unpack_stream(packed: jnp.ndarray, start, bits) -> jnp.ndarray:
     start = jnp.asarray(start, jnp.int32)
     words = _words(packed)
     shift = (start % 32).astype(jnp.uint32)
-    lo, hi = (_pick(words, start // 32 + i) for i in (0, 1))
+    # a code in the last word never straddles (the stream ends there): its high word, any
+    # word, is masked off
+    q = start // 32
+    lo, hi = _pick(words, q), _pick(words, jnp.minimum(q + 1, words.shape[-1] - 1))
     high = jnp.where(shift == 0, jnp.uint32(0), hi << ((32 - shift) % 32))  # no shift by 32
     mask = (jnp.left_shift(1, jnp.asarray(bits, jnp.int32)) - 1).astype(jnp.uint32)
     return (((lo >> shift) | high) & mask).astype(jnp.uint8)

@@ -205,12 +205,18 @@ def _heavy_body(cache, loop, soft, page_ids, limit, *, group, n_blocks, block_pa
         first = j * block_tokens + jnp.tile(jnp.arange(block_pages) * ps, b)[:, None, None]
         payload = jax.vmap(payload_positions, (0, None, None))(rows, group, ps) + first
         heavy = jnp.arange(rows.shape[1])[None, :, None] * group + rows + first
+        rows_k, rows_v, masks = [], [], []
         for k, v, pos, is_payload in ((kp, vp, payload, True), (kh, vh, heavy, False)):
             k, v, pos = (a.reshape(b, -1, *a.shape[2:]) for a in (k, v, pos))  # [B, n, ...]
-            v = v if rotated else v.astype(config.dtype)
-            valid = (pos >= n_sink) & (pos < limit[:, None, None])  # [B, n, H]
-            state = soft.update(state, keys(k, pos, j, is_payload), v, valid)
-        return state
+            k = keys(k, pos, j, is_payload)
+            rows_k.append(k if isinstance(k, tuple) else (k,))
+            rows_v.append(v if rotated else v.astype(config.dtype))
+            masks.append((pos >= n_sink) & (pos < limit[:, None, None]))  # [B, n, H]
+        # one update over the payload and heavy rows (a second costs XLA:CPU more than the
+        # concatenation)
+        k = tuple(jnp.concatenate(parts, axis=1) for parts in zip(*rows_k, strict=True))
+        k = k if len(k) > 1 else k[0]
+        return soft.update(state, k, *(jnp.concatenate(a, axis=1) for a in (rows_v, masks)))
 
     return body
 
