@@ -114,15 +114,14 @@ class OnlineSoftmax:
         # Invalid rows may hold anything (an unwritten page decodes to garbage): zero them.
         v = jnp.where(valid4, v.astype(jnp.float32), 0.0)
         parts = k if isinstance(k, tuple) else (k,)
-        q_parts = jnp.split(self.q, len(parts), axis=-1)
         s = 0.0
-        for k, q in zip(parts, q_parts, strict=True):
-            k = jnp.where(valid4, k.astype(jnp.float32), 0.0)
+        for part, q in zip(parts, jnp.split(self.q, len(parts), axis=-1), strict=True):
+            part = jnp.where(valid4, part.astype(jnp.float32), 0.0)
             if self.keys_by_row:  # [B, H, T, G] = K q^T per (b, h), then to [B, H, G, T]
-                s = s + jnp.swapaxes(jax.lax.dot_general(k, q, (((3,), (3,)), ((0, 2), (0, 1))),
-                                                         precision=hi), -1, -2)  # fmt: skip
+                dims = (((3,), (3,)), ((0, 2), (0, 1)))
+                s = s + jnp.swapaxes(jax.lax.dot_general(part, q, dims, precision=hi), -1, -2)
             else:
-                s = s + jnp.einsum("bhgd,bthd->bhgt", q, k, precision=hi)
+                s = s + jnp.einsum("bhgd,bthd->bhgt", q, part, precision=hi)
         s = s * self.scale
         s = jnp.where(jnp.swapaxes(valid, 1, 2)[:, :, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
