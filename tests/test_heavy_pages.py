@@ -83,12 +83,13 @@ def test_codec_is_pack_heavy(formats, jit, t):
     assert np.asarray(other.heavy_rows).tobytes() != np.asarray(got.heavy_rows).tobytes()
 
 
-@pytest.mark.parametrize("t", [96, 97])
-def test_unmerged_parts_are_unpack_heavys_rows(formats, t):
+def test_unmerged_parts_are_unpack_heavys_rows(formats):
     """`HeavyCodec.unpack_parts` (what decode attention reads): the payload rows put at
     `payload_positions` and the heavy rows at g*G + rows equal unpack_heavy's rows (keys;
-    values in the rotated space against `unpack_rotated`), every row placed once."""
+    values in the rotated space against `unpack_rotated`), every row placed once; T = 97:
+    three whole groups and a last group of one row."""
     layered, _, values = formats
+    t = 97
     k, v = K[0, 0, :t], V[0, 0, :t]
     rows = select_heavy(k, TABLES[1], group_size=G)
     for fmt, x, kind, rotated in ((layered, k, "key", False), (values, v, "value", True)):
