@@ -190,3 +190,13 @@ def adaptive_exit_cache(**overrides):
                 cache, k, v, block_tables=tables, seq_ids=ids, loop=loop, exited=exited
             )
     return cache, tables
+
+
+def unshifted_payload_positions(rows, g: int, t: int):
+    """A planted defect for `payload_positions` (heavy-row pages read unmerged): payload row
+    g*(G-1) + j of every head at g*G + j, the heavy row before it forgotten."""
+    import jax.numpy as jnp
+
+    n, h = rows.shape
+    pos = jnp.arange(n)[:, None, None] * g + jnp.arange(g - 1)[None, :, None]
+    return jnp.broadcast_to(pos, (n, g - 1, h)).reshape(-1, h)[: t - n]

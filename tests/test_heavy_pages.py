@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import unshifted_payload_positions
 
 import kvq_jax
 from kvq_jax.cache import paged_cache
@@ -243,12 +244,7 @@ def test_planted_defect_attention_ignores_the_heavy_row_shift(formats, monkeypat
     them mask the wrong rows at the sink and the sequence's end."""
     from kvq_jax.kernels.paged_attention import xla as attention_xla
 
-    def unshifted(rows, g, t):
-        n = rows.shape[0]
-        pos = jnp.arange(n)[:, None, None] * g + jnp.arange(g - 1)[None, :, None]
-        return jnp.broadcast_to(pos, (n, g - 1, rows.shape[1])).reshape(-1, rows.shape[1])
-
-    monkeypatch.setattr(attention_xla, "payload_positions", unshifted)
+    monkeypatch.setattr(attention_xla, "payload_positions", unshifted_payload_positions)
     jax.clear_caches()
     try:
         test_pages_and_attention(formats, [T], None)

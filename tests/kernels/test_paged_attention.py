@@ -32,7 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ADAPTIVE_KERNEL_CACHES, adaptive_exit_cache, rotated_space_atol
+from helpers import (
+    ADAPTIVE_KERNEL_CACHES,
+    adaptive_exit_cache,
+    rotated_space_atol,
+    unshifted_payload_positions,
+)
 from references import reference_attention
 
 import kvq_jax
@@ -302,12 +307,7 @@ def test_xla_heavy_rope_comparison_catches_payload_rows_turned_at_their_stored_p
     positions that forget the heavy row before a row (its place among the payload rows)
     turn the rows after it by the wrong angle, and the comparison fails."""
 
-    def unshifted(rows, g, t):
-        n, h = rows.shape
-        pos = jnp.arange(n)[:, None, None] * g + jnp.arange(g - 1)[None, :, None]
-        return jnp.broadcast_to(pos, (n, g - 1, h)).reshape(-1, h)[: t - n]
-
-    monkeypatch.setattr(paged_attention_xla, "payload_positions", unshifted)
+    monkeypatch.setattr(paged_attention_xla, "payload_positions", unshifted_payload_positions)
     jax.clear_caches()
     try:
         out, ref = TestXLA().run(HEAVY_ROPE_SPEC)
