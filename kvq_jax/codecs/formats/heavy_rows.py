@@ -108,6 +108,28 @@ class HeavyCodec(HeavyLayout, Codec):
             group_size=g if tokens else packed.group_size, shape=(t, h, d), dtype=packed.dtype,
         )  # fmt: skip
 
+    def _paths(self, layer=None, rotated: bool = False):
+        """(the base's data path to float32, the map of the heavy rows' INT8 decode): plain,
+        as `unpack` (the layer's table for a per-layer base), or in the base's rotated space,
+        as `unpack_rotated` (the heavy rows rotated)."""
+        base = self.base_codec
+        if rotated:
+            from kvq_jax.codecs.formats.hadamard import rotate
+
+            return base.unpack_rotated, rotate
+
+        def decode(p):
+            return base.unpack(p, np.dtype(np.float32), **layer_arg(base, layer))
+
+        return decode, None
+
+    @staticmethod
+    def _heavy_decoded(packed, heavy_map) -> jnp.ndarray:
+        """float32 [nG, H, D]: the heavy rows' INT8 decode (`heavy_map` of it when given)."""
+        heavy = {f: getattr(packed, f) for f in HEAVY_FIELDS}
+        decoded = heavy_rows_decoded(heavy, *packed.shape[1:])
+        return decoded if heavy_map is None else heavy_map(decoded)
+
     def _decode(self, packed, decode, heavy_map=None) -> jnp.ndarray:
         """float32 [T, H, D]: `decode` (a base data path to float32) of the payload, with the
         heavy rows' INT8 decode (`heavy_map` of it) in their places."""
@@ -116,14 +138,12 @@ class HeavyCodec(HeavyLayout, Codec):
         if spread is None:
             return merge_heavy(decode(self._payload(packed)), heavy, packed.shape,
                                self.heavy_group, heavy_map)  # fmt: skip
-        _, h, d = packed.shape
-        decoded = heavy_rows_decoded(heavy, h, d)  # [nG, H, D]
-        decoded = decoded if heavy_map is None else heavy_map(decoded)
+        decoded = self._heavy_decoded(packed, heavy_map)  # [nG, H, D]
         # the heavy rows written over their fillers in place (a scatter of nG x H rows, not
         # a select over every row: 2.3 -> 0.9 ms for HINT4 values of 8192 x 3 rows on XLA:CPU)
         g = self.heavy_group
         rows = jnp.arange(decoded.shape[0])[:, None] * g + heavy["heavy_rows"].astype(jnp.int32)
-        heads = jnp.broadcast_to(jnp.arange(h), rows.shape)
+        heads = jnp.broadcast_to(jnp.arange(packed.shape[1]), rows.shape)
         return decode(spread).at[rows, heads].set(decoded, mode="drop", unique_indices=True)
 
     def unpack_parts(self, packed, layer=None, *, rotated: bool = False):
@@ -133,35 +153,18 @@ class HeavyCodec(HeavyLayout, Codec):
         rows' INT8 decode (row g*G + rows[g, h]). rotated (`rotated_space` only): both in the
         base's rotated space, as `unpack_rotated`. For readers that do not need the rows in
         order (decode attention: a softmax over rows is the same in any order)."""
-        base = self.base_codec
-        payload = self._payload(packed)
-        if rotated:
-            from kvq_jax.codecs.formats.hadamard import rotate
-
-            rest, heavy_map = base.unpack_rotated(payload), rotate
-        else:
-            rest = base.unpack(payload, np.dtype(np.float32), **layer_arg(base, layer))
-            heavy_map = None
-        heavy = {f: getattr(packed, f) for f in HEAVY_FIELDS}
-        decoded = heavy_rows_decoded(heavy, *packed.shape[1:])
-        decoded = decoded if heavy_map is None else heavy_map(decoded)
-        return rest, decoded, heavy["heavy_rows"].astype(jnp.int32)
+        decode, heavy_map = self._paths(layer, rotated)
+        return (decode(self._payload(packed)), self._heavy_decoded(packed, heavy_map),
+                packed.heavy_rows.astype(jnp.int32))  # fmt: skip
 
     def unpack(self, packed, dtype, layer=None) -> jnp.ndarray:
-        base = self.base_codec
-
-        def decode(p):
-            return base.unpack(p, np.dtype(np.float32), **layer_arg(base, layer))
-
-        return self._decode(packed, decode).astype(dtype)
+        return self._decode(packed, *self._paths(layer)).astype(dtype)
 
     def unpack_rotated(self, packed) -> jnp.ndarray:
         """float32 [T, H, D] in the base's rotated space (`rotated_space` only): the payload's
         `unpack_rotated`, the heavy rows' INT8 decode rotated (`unrotate` of this is `unpack`
         before the cast, up to rounding)."""
-        from kvq_jax.codecs.formats.hadamard import rotate
-
-        return self._decode(packed, self.base_codec.unpack_rotated, heavy_map=rotate)
+        return self._decode(packed, *self._paths(rotated=True))
 
 
 def _spread_rows(a, rows, n: int, g: int, t: int) -> jnp.ndarray:

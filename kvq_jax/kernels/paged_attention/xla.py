@@ -146,8 +146,9 @@ def paged_decode_attention(
     step = body
     group = page_xla.heavy_chain(cache.loop_chain("key", loop))
     if group is not None and page_xla.heavy_chain(cache.loop_chain("value", loop)) == group:
-        step = _heavy_body(cache, loop, soft, page_ids, limit, group=group, n_blocks=n_blocks,
-                           block_pages=block_pages, n_sink=n_sink, rotated=rotated)  # fmt: skip
+        step = _heavy_body(cache, loop, soft, page_ids, limit, rope, group=group,
+                           n_blocks=n_blocks, block_pages=block_pages, n_sink=n_sink,
+                           rotated=rotated)  # fmt: skip
 
     # Blocks past every sequence's last quantized row are never decoded.
     needed = jnp.minimum((jnp.max(limit) + block_tokens - 1) // block_tokens, n_blocks)
@@ -160,19 +161,19 @@ def paged_decode_attention(
     return jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), lse
 
 
-def _heavy_body(cache, loop, soft, page_ids, limit, *, group, n_blocks, block_pages, n_sink,
-                rotated):  # fmt: skip
+def _heavy_body(cache, loop, soft, page_ids, limit, rope, *, group, n_blocks, block_pages,
+                n_sink, rotated):  # fmt: skip
     """The loop body of `paged_decode_attention` over heavy rows in K and V (the same rows,
     FORMAT.md 5a): each page's payload rows and heavy rows attended as stored
     (`decode_heavy_parts`), each row masked (and, for keys stored before RoPE, turned) at its
     own per-head position, not put back in order (a softmax over rows is the same in any
-    order): no payload spread, no scatter of the heavy rows."""
+    order): no payload spread, no scatter of the heavy rows. rope: `key_rope`'s tables of
+    every position (None: keys stored after RoPE)."""
     config = cache.config
     ps, b = config.page_size, page_ids.shape[0]
     block_tokens = block_pages * ps
     key_chain, value_chain = (cache.loop_chain(kind, loop) for kind in ("key", "value"))
     n_payload = block_pages * (ps - ps // group)  # payload rows of a block of pages
-    rope = cache_state.key_rope(config, np.arange(n_blocks * block_tokens))
     if rope is not None:
         # A payload row's position is its place without the heavy row of its group (static,
         # `fixed`) or one more: its tables are one of two constants', chosen per head.
