@@ -8,7 +8,12 @@ variants of one check differ in shapes and dtypes, not in code path).
 
 Without --run-gpu the suite runs on the CPU (JAX_PLATFORMS=cpu unless set): with the CUDA
 plugin installed (the `cuda-compile` extra, for the deviceless `cuda_compile` tests) JAX would
-otherwise try, and fail, to start a CUDA backend on a machine without a GPU.
+otherwise try, and fail, to start a CUDA backend on a machine without a GPU. It also compiles
+with JAX_DISABLE_MOST_OPTIMIZATIONS=1 unless set (XLA's LLVM backend at -O0, its expensive
+passes off; XLA's own passes, fusion and buffer assignment included, run as always): the
+cases are small, so compiling is most of their time (CI time). The `cuda_compile` checks pin
+the default level for the GPU code they measure (`cuda_compile.DEFAULT_OPTIMIZATION`); the
+codec and oracle tests run at the default level too in CI's second environment (.ci/run).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if not config.getoption("--run-gpu"):
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before any test module imports jax
+        # before any test module imports jax
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -127,11 +127,22 @@ def test_float32_rope_is_within_ulps_of_the_oracle():
     assert ulps(np.asarray(jax.jit(invert_rope)(x, cos, sin))) > 1e3  # the planted slip
 
 
-def _rebuilt(config, loop=0, absolute=()):
+def _turn_float32(rows, page, dtype):
+    """Page `page`'s decoded rows turned as decode attention turns them: `apply_rope_halves`
+    (float32 products, within 2 float32 ulps of the oracle:
+    test_float32_rope_is_within_ulps_of_the_oracle) at their positions, cast."""
+    positions = np.arange(page * PS, (page + 1) * PS)
+    cos, sin = cache_state.key_rope(_config(), positions)
+    halves = jax.jit(apply_rope_halves)(np.asarray(rows, np.float32), cos, sin)
+    return np.concatenate([np.asarray(a) for a in halves], axis=-1).astype(dtype)
+
+
+def _rebuilt(config, loop=0, absolute=(), *, turn=_turn):
     """K, V [B, T, H, D] as the cache serves them, from the oracle's RoPE and the codecs: every
     full key page packed as invert_rope of its rows (loop > 0: the residual against the
     reconstructed previous loop, in the stored space), decoded in the cache dtype and turned
-    back; values packed as given; partial pages and the sink row raw."""
+    back (`turn`: the oracle's RoPE, or decode attention's float32 `_turn_float32`); values
+    packed as given; partial pages and the sink row raw."""
     dt = config.dtype
     out = []
     for kind, x in (("key", K), ("value", V)):
@@ -147,7 +158,9 @@ def _rebuilt(config, loop=0, absolute=()):
                 else:
                     res = encode_residual(jnp.asarray(stored), jnp.asarray(recon), **args)
                     recon = np.asarray(decode_residual(res, jnp.asarray(recon)))
-            served = _turn(recon, i, dt, invert=False) if kind == "key" else recon
+            served = recon
+            if kind == "key":
+                served = turn(recon, i, dt, invert=False) if turn is _turn else turn(recon, i, dt)
             y[s, i * PS : (i + 1) * PS] = served
         y[:, :1] = x[loop, :, :1].astype(dt)
         out.append(y)
@@ -161,6 +174,9 @@ def _check_reads(cache, config, loop=0, absolute=()):
                                           loop=loop)  # fmt: skip
         np.testing.assert_array_equal(np.asarray(k_got), k_ref[s], err_msg=f"keys of {s}")
         np.testing.assert_array_equal(np.asarray(v_got), v_ref[s], err_msg=f"values of {s}")
+    # decode attention turns keys in float32: in a 16-bit cache its rounding may land one ulp
+    # from the oracle's, so the dense reference takes the keys turned that way
+    k_ref, _ = _rebuilt(config, loop, absolute, turn=_turn_float32)
     q = RNG.standard_normal((B, 2 * H, D)).astype(np.float32)
     lens = jnp.asarray([T, T - 40], jnp.int32)
     out = paged_decode_attention(q, cache, TABLES, lens, loop=loop)
@@ -278,8 +294,11 @@ def test_planted_defect_wrong_positions(monkeypatch):
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_torch_cache_has_the_same_bytes(dtype):
     """The Torch paged cache given the same appends (a delta loop, chunks) holds the JAX
-    cache's bytes, gathers the same rows and attends to the same output (float32 round-off);
-    its device tables are `rope_tables`' for every position of a 32k context."""
+    cache's bytes, gathers the same rows and attends over them (float32 round-off against
+    dense attention on its gathered rows); for a float32 cache its output is the JAX cache's
+    (for a 16-bit one JAX turns keys in float32 and Torch in binary64, each rounded to the
+    cache dtype: a key may differ by one ulp); its device tables are `rope_tables`' for every
+    position of a 32k context."""
     import torch
 
     from kvq_torch_bridge.cache import paged_attention as tattention
@@ -312,16 +331,24 @@ def test_torch_cache_has_the_same_bytes(dtype):
     q = RNG.standard_normal((B, 2 * H, D)).astype(np.float32)
     lens = np.asarray([T, T - 40], np.int32)
     for loop in range(2):
-        jk, _ = paged_cache.gather(jcache, seq_id=0, seq_len=T, block_table=TABLES[0], loop=loop)
-        tk, _ = tpc.gather(tcache, seq_id=0, seq_len=T, block_table=tables[0], loop=loop)
-        tk = tk.view(torch.uint16) if dtype == "bfloat16" else tk
-        jk = np.asarray(jk)
-        jk = jk.view(np.uint16) if dtype == "bfloat16" else jk
-        assert jk.tobytes() == tk.numpy().tobytes(), f"gathered keys, loop {loop}"
-        out = paged_decode_attention(q, jcache, TABLES, jnp.asarray(lens), loop=loop)
+        rows = []
+        for s in range(B):
+            jk, _ = paged_cache.gather(jcache, seq_id=s, seq_len=T, block_table=TABLES[s],
+                                       loop=loop)  # fmt: skip
+            tk, tv = tpc.gather(tcache, seq_id=s, seq_len=T, block_table=tables[s], loop=loop)
+            rows.append([x.float().numpy() for x in (tk, tv)])
+            tk = tk.view(torch.uint16) if dtype == "bfloat16" else tk
+            jk = np.asarray(jk)
+            jk = jk.view(np.uint16) if dtype == "bfloat16" else jk
+            assert jk.tobytes() == tk.numpy().tobytes(), f"gathered keys of {s}, loop {loop}"
         tq, tt, tl = (torch.from_numpy(a) for a in (q, tables, lens))
-        tout = tattention.paged_decode_attention(tq, tcache, tt, tl, loop=loop)
-        np.testing.assert_allclose(tout.numpy(), np.asarray(out), rtol=1e-5, atol=1e-5)
+        tout = tattention.paged_decode_attention(tq, tcache, tt, tl, loop=loop).numpy()
+        k_rows, v_rows = (jnp.asarray(np.stack(x)) for x in zip(*rows, strict=True))
+        dense = dense_decode_attention(q, k_rows, v_rows, jnp.asarray(lens))
+        np.testing.assert_allclose(tout, np.asarray(dense), rtol=1e-5, atol=1e-5)
+        if dtype == "float32":
+            out = paged_decode_attention(q, jcache, TABLES, jnp.asarray(lens), loop=loop)
+            np.testing.assert_allclose(tout, np.asarray(out), rtol=1e-5, atol=1e-5)
 
 
 def test_kernels_and_config():

@@ -226,6 +226,13 @@ def _configure_xla() -> None:
 # -- compilation ---------------------------------------------------------------------------------
 
 
+#: XLA's default optimization of the LLVM backends, whatever XLA_FLAGS or
+#: JAX_DISABLE_MOST_OPTIMIZATIONS say (the test suite lowers it for its CPU compiles): the
+#: figures are those of the code a GPU runs.
+DEFAULT_OPTIMIZATION = {"xla_backend_optimization_level": 3,
+                        "xla_llvm_disable_expensive_passes": False}  # fmt: skip
+
+
 class CompileError(RuntimeError):
     """XLA / Triton / ptxas refused a kernel; the message is the compiler's."""
 
@@ -377,7 +384,8 @@ def compile_for_target(
             # every module's PTX: jax >= 0.11 dumps it only when asked, and the regex is
             # matched against the kind of emitter dump, so "ptx" asks for the PTX alone (".*"
             # also dumps every MLIR pass of every kernel: ~25 s instead of ~1 s a compile)
-            options = {"xla_dump_to": dump_dir, "xla_dump_emitter_re": "ptx"}
+            options = {"xla_dump_to": dump_dir, "xla_dump_emitter_re": "ptx",
+                       **DEFAULT_OPTIMIZATION}  # fmt: skip
             root = cuda_data_dir()
             if root:  # the pinned ptxas and libdevice, whatever XLA_FLAGS said at start-up
                 options["xla_gpu_cuda_data_dir"] = root
