@@ -130,19 +130,20 @@ def test_float32_rope_is_within_ulps_of_the_oracle():
 def _turn_float32(rows, page, dtype):
     """Page `page`'s decoded rows turned as decode attention turns them: `apply_rope_halves`
     (float32 products, within 2 float32 ulps of the oracle:
-    test_float32_rope_is_within_ulps_of_the_oracle) at their positions, cast."""
-    positions = np.arange(page * PS, (page + 1) * PS)
-    cos, sin = cache_state.key_rope(_config(), positions)
+    test_float32_rope_is_within_ulps_of_the_oracle) with the oracle's tables of their
+    positions, cast."""
+    tables = oracle.rope.tables(PS, D, THETA, offset=page * PS)
+    cos, sin = (np.asarray(a, np.float32)[:, None, : D // 2] for a in tables)
     halves = jax.jit(apply_rope_halves)(np.asarray(rows, np.float32), cos, sin)
     return np.concatenate([np.asarray(a) for a in halves], axis=-1).astype(dtype)
 
 
-def _rebuilt(config, loop=0, absolute=(), *, turn=_turn):
+def _rebuilt(config, loop=0, absolute=(), *, float32_rope=False):
     """K, V [B, T, H, D] as the cache serves them, from the oracle's RoPE and the codecs: every
     full key page packed as invert_rope of its rows (loop > 0: the residual against the
     reconstructed previous loop, in the stored space), decoded in the cache dtype and turned
-    back (`turn`: the oracle's RoPE, or decode attention's float32 `_turn_float32`); values
-    packed as given; partial pages and the sink row raw."""
+    back (with the oracle's RoPE, or float32_rope: as decode attention, `_turn_float32`);
+    values packed as given; partial pages and the sink row raw."""
     dt = config.dtype
     out = []
     for kind, x in (("key", K), ("value", V)):
@@ -159,8 +160,10 @@ def _rebuilt(config, loop=0, absolute=(), *, turn=_turn):
                     res = encode_residual(jnp.asarray(stored), jnp.asarray(recon), **args)
                     recon = np.asarray(decode_residual(res, jnp.asarray(recon)))
             served = recon
-            if kind == "key":
-                served = turn(recon, i, dt, invert=False) if turn is _turn else turn(recon, i, dt)
+            if kind == "key" and float32_rope:
+                served = _turn_float32(recon, i, dt)
+            elif kind == "key":
+                served = _turn(recon, i, dt, invert=False)
             y[s, i * PS : (i + 1) * PS] = served
         y[:, :1] = x[loop, :, :1].astype(dt)
         out.append(y)
@@ -176,7 +179,7 @@ def _check_reads(cache, config, loop=0, absolute=()):
         np.testing.assert_array_equal(np.asarray(v_got), v_ref[s], err_msg=f"values of {s}")
     # decode attention turns keys in float32: in a 16-bit cache its rounding may land one ulp
     # from the oracle's, so the dense reference takes the keys turned that way
-    k_ref, _ = _rebuilt(config, loop, absolute, turn=_turn_float32)
+    k_ref, _ = _rebuilt(config, loop, absolute, float32_rope=True)
     q = RNG.standard_normal((B, 2 * H, D)).astype(np.float32)
     lens = jnp.asarray([T, T - 40], jnp.int32)
     out = paged_decode_attention(q, cache, TABLES, lens, loop=loop)
@@ -297,7 +300,8 @@ def test_torch_cache_has_the_same_bytes(dtype):
     cache's bytes, gathers the same rows and attends over them (float32 round-off against
     dense attention on its gathered rows); for a float32 cache its output is the JAX cache's
     (for a 16-bit one JAX turns keys in float32 and Torch in binary64, each rounded to the
-    cache dtype: a key may differ by one ulp); its device tables are `rope_tables`' for every
+    cache dtype: a key may differ by one ulp, so each is checked against its own dense
+    reference, `_check_reads` for JAX); its device tables are `rope_tables`' for every
     position of a 32k context."""
     import torch
 
@@ -349,6 +353,8 @@ def test_torch_cache_has_the_same_bytes(dtype):
         if dtype == "float32":
             out = paged_decode_attention(q, jcache, TABLES, jnp.asarray(lens), loop=loop)
             np.testing.assert_allclose(tout, np.asarray(out), rtol=1e-5, atol=1e-5)
+        else:  # the JAX cache against its own reference
+            _check_reads(jcache, config, loop=loop)
 
 
 def test_kernels_and_config():
