@@ -133,8 +133,7 @@ def paged_decode_attention(
         return out.reshape(b, block_tokens, h, d)
 
     def body(j, state):
-        pages = jax.lax.dynamic_slice_in_dim(page_ids, j * block_pages, block_pages, axis=1)
-        pages = pages.reshape(-1)
+        pages = _block_pages(page_ids, j, block_pages)
         pos = j * block_tokens + jnp.arange(block_tokens)[None, :]
         valid = (pos >= n_sink) & (pos < limit[:, None])
         keys = decode("key", pages)
@@ -159,6 +158,12 @@ def paged_decode_attention(
         return out
     lse = soft.lse(state).reshape(b, hq)
     return jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), lse
+
+
+def _block_pages(page_ids, j, block_pages: int):
+    """int32 [B * block_pages]: the physical pages of block j of every sequence's table
+    `page_ids` [B, M], sequence by sequence."""
+    return lax.dynamic_slice_in_dim(page_ids, j * block_pages, block_pages, axis=1).reshape(-1)
 
 
 def _heavy_body(cache, loop, soft, page_ids, limit, rope, *, group, n_blocks, block_pages,
@@ -198,8 +203,7 @@ def _heavy_body(cache, loop, soft, page_ids, limit, rope, *, group, n_blocks, bl
         return tuple(a.astype(config.dtype) for a in apply_rope_halves(k, *turn))
 
     def body(j, state):
-        pages = lax.dynamic_slice_in_dim(page_ids, j * block_pages, block_pages, axis=1)
-        pages = pages.reshape(-1)
+        pages = _block_pages(page_ids, j, block_pages)
         kp, kh, rows = page_xla.decode_heavy_parts(key_chain, pages, layer=cache.layer)
         vp, vh, _ = page_xla.decode_heavy_parts(value_chain, pages, rotated=rotated)
         # each page's first position, [B * block_pages, 1, 1]
