@@ -407,6 +407,25 @@ def test_kvq_generate(ouro_dir, tmp_path, capsys):
     assert "teacher-forced KL" in text
 
 
+def test_kvq_generate_dtype_auto(monkeypatch):
+    """--dtype auto (the default) runs float32 on the CPU backend and bfloat16 on an
+    accelerator; an explicit dtype is kept."""
+    import argparse
+
+    import jax
+
+    from kvq_jax.engine import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).dtype == "auto"
+    for backend, want in (("cpu", "float32"), ("gpu", "bfloat16"), ("tpu", "bfloat16")):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert generate.resolve_dtype("auto") == want
+        assert generate.resolve_dtype("bfloat16") == "bfloat16"
+        assert generate.resolve_dtype("float32") == "float32"
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
