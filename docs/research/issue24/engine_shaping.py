@@ -7,22 +7,17 @@ rows are handed to the unchanged pack (cast to the cache dtype); run from the re
         --windows 4 --prefix 256 --predictions 32 --text .../pydoc_data/topics.py"""
 import os, sys
 sys.path.insert(0, "bench")
-import jax, jax.numpy as jnp
-from jax import lax
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax.numpy as jnp
 from kvq_jax.kernels.page_pack import xla as px
 from kvq_jax.codecs.formats import hadamard
+from _common import feedback_rows
 ALPHAS = [float(a) for a in os.environ.get("KVQ_ALPHAS", "").split(",") if a]
 orig = px.pack_paged
-def shaped(pages, alpha):  # [P, T, H, D] -> same dtype
-    y = hadamard.rotate(pages.astype(jnp.float32))
-    def step(carry, yt):
-        x = yt + alpha * carry
-        mn, mx = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
-        sc = jnp.where(mx > mn, (mx - mn) / 15, 1.0)
-        q = jnp.clip(jnp.round((x - mn) / sc), 0, 15) * sc + mn
-        return jnp.where(jnp.isfinite(x - q), x - q, 0.0), x
-    _, xs = lax.scan(step, jnp.zeros_like(y[:, 0]), jnp.swapaxes(y, 0, 1))
-    return hadamard.unrotate(jnp.swapaxes(xs, 0, 1)).astype(pages.dtype)
+def shaped(pages, alpha):  # [P, T, H, D] -> same dtype, the carry restarting on each page
+    y = jnp.swapaxes(hadamard.rotate(pages.astype(jnp.float32)), 0, 1)  # [T, P, H, D]
+    x, _ = feedback_rows(y, alpha, jnp.arange(y.shape[0]) == 0)
+    return hadamard.unrotate(jnp.swapaxes(x, 0, 1)).astype(pages.dtype)
 def patched(pages, *, kind, layer=None, rows=None, **kw):
     if ALPHAS and kind == "value" and rows is not None:
         alpha = jnp.asarray(ALPHAS, jnp.float32)[layer]

@@ -3,15 +3,16 @@ shaping; the same HINT4 bytes format, another encoder; one alpha for every layer
 decode-like error of each report layer.
 
     python policy_shaping.py topics.npz pr3.75.npz out.json 0,0.25,0.5,0.75,1"""
-import sys, json, numpy as np, jax, jax.numpy as jnp
-from jax import lax
+import sys, json
+import numpy as np
+import jax, jax.numpy as jnp
 from kvq_jax.core.policies import POLICIES
 from kvq_jax.core.calibration import with_key_tables
 from kvq_jax.report import capture as cap, evaluate as ev
 from kvq_jax.codecs.formats import hadamard
+from _common import LAYERS, PAGE, feedback_rows
 CAPTURE, TABLES, OUT = sys.argv[1:4]
 ALPHAS = [float(a) for a in sys.argv[4].split(",")]
-PAGE = 64
 orig = ev.heavy_kv
 ALPHA = [0.0]
 
@@ -19,17 +20,8 @@ def shaped(values, alpha, start):
     """values [T, H, D] -> rows whose HINT4 codes are those of error feedback with `alpha`
     along the tokens (carry reset at each page, pages at positions start + 64 n)."""
     y = hadamard.rotate(values.astype(jnp.float32))
-    pos = start + jnp.arange(y.shape[0])
-    def step(carry, a):
-        yt, p = a
-        carry = jnp.where(p % PAGE == 0, 0.0, carry)
-        x = yt + alpha * carry
-        mn, mx = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
-        sc = jnp.where(mx > mn, (mx - mn) / 15, 1.0)
-        q = jnp.clip(jnp.round((x - mn) / sc), 0, 15) * sc + mn
-        return x - q, x
-    _, xs = lax.scan(step, jnp.zeros_like(y[0]), (y, pos))
-    return hadamard.unrotate(xs).astype(values.dtype)
+    x, _ = feedback_rows(y, alpha, (start + jnp.arange(y.shape[0])) % PAGE == 0)
+    return hadamard.unrotate(x).astype(values.dtype)
 
 def patched(keys, values, table, *, window=None, **kw):
     if ALPHA[0]:
@@ -37,7 +29,7 @@ def patched(keys, values, table, *, window=None, **kw):
         values = values.at[h:h + m].set(shaped(values[h:h + m], ALPHA[0], h))
     return orig(keys, values, table, window=window, **kw)
 ev.heavy_kv = patched
-c = cap.select(cap.load_capture(CAPTURE), layers=[0, 5, 10, 15, 20, 25, 29])
+c = cap.select(cap.load_capture(CAPTURE), layers=LAYERS)
 p = with_key_tables(POLICIES["intb-prerope-hint4-heavy-smollm2+win"], TABLES)
 res = {}
 for a in ALPHAS:

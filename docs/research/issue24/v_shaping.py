@@ -4,15 +4,17 @@ two saved files, alphas chosen per layer (or per head) on the first are judged o
 
     python v_shaping.py calib.npz vh_calib.npz; python v_shaping.py topics.npz vh_topics.npz
     python v_shaping.py --choose vh_calib.npz vh_topics.npz"""
-import sys, numpy as np, jax, jax.numpy as jnp
-from jax import lax
+import sys
+import numpy as np
+import jax, jax.numpy as jnp
 from kvq_jax.report import capture as cap
 from kvq_jax.report.metrics import decode_attention
 from kvq_jax.codecs.formats import hadamard
+from _common import LAYERS, PAGE, feedback_rows
 if sys.argv[1] == "--choose":
     c, t = (np.load(f) for f in sys.argv[2:4])
     rel = lambda e, r: np.sqrt(e / r)
-    for name, layers in (("7 layers", [0, 5, 10, 15, 20, 25, 29]), ("30 layers", list(range(30)))):
+    for name, layers in (("7 layers", LAYERS), ("30 layers", list(range(30)))):
         Ec, Rc, Et, Rt = c["E"][:, layers], c["R"][layers], t["E"][:, layers], t["R"][layers]
         base = rel(Et[0].sum(-1), Rt.sum(-1)).mean()
         pick = rel(Ec.sum(-1), Rc.sum(-1)).argmin(0)  # per layer
@@ -25,21 +27,12 @@ if sys.argv[1] == "--choose":
     sys.exit()
 CAPTURE, OUT = sys.argv[1:3]
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
-SINK, RECENT, PAGE = 4, 16, 64
+SINK, RECENT = 4, 16
 c = cap.load_capture(CAPTURE)
 def shaped_hat(values, alpha):
     y = hadamard.rotate(values.astype(jnp.float32))
-    pos = jnp.arange(y.shape[0])
-    def step(carry, a):
-        yt, p = a
-        carry = jnp.where(p % PAGE == 0, 0.0, carry)
-        x = yt + alpha * carry
-        mn, mx = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
-        sc = jnp.where(mx > mn, (mx - mn) / 15, 1.0)
-        q = jnp.clip(jnp.round((x - mn) / sc), 0, 15) * sc + mn
-        return x - q, q
-    _, qs = lax.scan(step, jnp.zeros_like(y[0]), (y, pos))
-    return hadamard.unrotate(qs)
+    _, q = feedback_rows(y, alpha, jnp.arange(y.shape[0]) % PAGE == 0)
+    return hadamard.unrotate(q)
 @jax.jit
 def sums(q, k, v, alpha):
     vh = shaped_hat(v, alpha)
