@@ -138,16 +138,15 @@ def _turn_float32(rows, page, dtype):
     return np.concatenate([np.asarray(a) for a in halves], axis=-1).astype(dtype)
 
 
-def _rebuilt(config, loop=0, absolute=(), *, float32_rope=False):
-    """K, V [B, T, H, D] as the cache serves them, from the oracle's RoPE and the codecs: every
-    full key page packed as invert_rope of its rows (loop > 0: the residual against the
+def _rebuilt(config, loop=0, absolute=()):
+    """(K, K32, V) [B, T, H, D] as the cache serves them, from the oracle's RoPE and the codecs:
+    every full key page packed as invert_rope of its rows (loop > 0: the residual against the
     reconstructed previous loop, in the stored space), decoded in the cache dtype and turned
-    back (with the oracle's RoPE, or float32_rope: as decode attention, `_turn_float32`);
+    back (K: with the oracle's RoPE; K32: as decode attention turns them, `_turn_float32`);
     values packed as given; partial pages and the sink row raw."""
     dt = config.dtype
-    out = []
+    k, k32, v = (x[loop].astype(dt).copy() for x in (K, K, V))
     for kind, x in (("key", K), ("value", V)):
-        y = x[loop].astype(dt).copy()
         for s, i in itertools.product(range(B), range(T // PS)):
             recon = None
             for level in range(loop + 1):
@@ -159,19 +158,19 @@ def _rebuilt(config, loop=0, absolute=(), *, float32_rope=False):
                 else:
                     res = encode_residual(jnp.asarray(stored), jnp.asarray(recon), **args)
                     recon = np.asarray(decode_residual(res, jnp.asarray(recon)))
-            served = recon
-            if kind == "key" and float32_rope:
-                served = _turn_float32(recon, i, dt)
-            elif kind == "key":
-                served = _turn(recon, i, dt, invert=False)
-            y[s, i * PS : (i + 1) * PS] = served
-        y[:, :1] = x[loop, :, :1].astype(dt)
-        out.append(y)
-    return out
+            page = slice(i * PS, (i + 1) * PS)
+            if kind == "key":
+                k[s, page] = _turn(recon, i, dt, invert=False)
+                k32[s, page] = _turn_float32(recon, i, dt)
+            else:
+                v[s, page] = recon
+    for y, x in ((k, K), (k32, K), (v, V)):
+        y[:, :1] = x[loop, :, :1].astype(dt)  # the sink row, raw
+    return k, k32, v
 
 
 def _check_reads(cache, config, loop=0, absolute=()):
-    k_ref, v_ref = _rebuilt(config, loop, absolute)
+    k_ref, k32_ref, v_ref = _rebuilt(config, loop, absolute)
     for s in range(B):
         k_got, v_got = paged_cache.gather(cache, seq_id=s, seq_len=T, block_table=TABLES[s],
                                           loop=loop)  # fmt: skip
@@ -179,11 +178,10 @@ def _check_reads(cache, config, loop=0, absolute=()):
         np.testing.assert_array_equal(np.asarray(v_got), v_ref[s], err_msg=f"values of {s}")
     # decode attention turns keys in float32: in a 16-bit cache its rounding may land one ulp
     # from the oracle's, so the dense reference takes the keys turned that way
-    k_ref, _ = _rebuilt(config, loop, absolute, float32_rope=True)
     q = RNG.standard_normal((B, 2 * H, D)).astype(np.float32)
     lens = jnp.asarray([T, T - 40], jnp.int32)
     out = paged_decode_attention(q, cache, TABLES, lens, loop=loop)
-    dense = dense_decode_attention(q, jnp.asarray(k_ref), jnp.asarray(v_ref), lens)
+    dense = dense_decode_attention(q, jnp.asarray(k32_ref), jnp.asarray(v_ref), lens)
     np.testing.assert_allclose(out, dense, rtol=1e-5, atol=1e-5)
 
 
