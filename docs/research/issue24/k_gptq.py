@@ -1,9 +1,9 @@
 """Key rounding aware of the query second moment (GPTQ's update on each key row), measured
 against round-to-nearest on the same per-channel grids: decode-like attention error, V raw."""
-import sys, numpy as np, jax, jax.numpy as jnp
+import sys
+import numpy as np
 from kvq_jax.report import capture as cap
-from kvq_jax.report.metrics import decode_attention
-LAYERS = [0, 5, 10, 15, 20, 25, 29]
+from _common import LAYERS, decode_k as dec, f32
 # argv: capture judged, capture of the calibration text, then "4" (uniform INT4 grids) or
 # "intb" (the shipped post-RoPE heavy table's bits per layer, head and channel)
 EVAL, CALIB, MODE = sys.argv[1:4]
@@ -15,9 +15,7 @@ BITS = None if TAB is not None else int(MODE)
 GT = 64
 ev = cap.load_capture(EVAL)
 ca = cap.load_capture(CALIB)
-def f32(x): return np.asarray(x, np.float32)
 print(ev.k.shape, ev.q.shape, ca.q.shape)
-dec = jax.jit(lambda q, k, v, kh: decode_attention(q, k, v, kh, v, sink=4, recent=16, num_queries=64))
 def grid(k):  # k [T, H, D] -> mn, sc [T/GT, H, D]
     t, h, d = k.shape
     g = k.reshape(t // GT, GT, h, d)
