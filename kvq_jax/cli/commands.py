@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from kvq_jax.cli import plugins
 from kvq_jax.report.command import REPORT_DESCRIPTION, add_common_arguments
 from kvq_jax.report.command import add_arguments as add_report_arguments
 
@@ -162,6 +163,7 @@ def model_report(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    plugins.install()
     argv = sys.argv[1:] if argv is None else list(argv)
     if _wants_model(argv):
         return model_report(argv[1:])
