@@ -102,10 +102,13 @@ class OnlineSoftmax:
             jnp.zeros((b, h, g, d), jnp.float32),
         )
 
-    def update(self, state, k, v, valid):
+    def update(self, state, k, v, valid, value_map=None):
         """Fold rows k, v [B, T, H, D] (any float dtype) where valid [B, T] (or per head,
         [B, T, H]) into the state. k may be a tuple of parts [B, T, H, D / n] splitting the
-        channels evenly (RoPE's halves): the scores are the sum of the parts' scores."""
+        channels evenly (RoPE's halves): the scores are the sum of the parts' scores.
+        value_map: a linear map of the last axis applied to these rows' sum of p v
+        ([B, H, G, D]) instead of to every value row (rows in another basis than the
+        accumulator's, e.g. raw rows against Hadamard-rotated pages: `rotate`)."""
         m, l_sum, acc = state
         hi = jax.lax.Precision.HIGHEST
         if valid.ndim == 2:
@@ -129,7 +132,8 @@ class OnlineSoftmax:
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("bhgt,bthd->bhgd", p, v, precision=hi)
+        pv = jnp.einsum("bhgt,bthd->bhgd", p, v, precision=hi)
+        acc = acc * alpha[..., None] + (pv if value_map is None else value_map(pv))
         return m_new, l_sum, acc
 
     @staticmethod
