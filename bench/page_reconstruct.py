@@ -2,13 +2,16 @@
 
     python bench/page_reconstruct.py [--quick] [--repeats N] [--json PATH]
                                      [--batch B] [--context T] [--backends xla,pallas]
-                                     [--formats int4,nvfp4,mixed]
+                                     [--formats int4,nvfp4,mixed,heavy-rope]
 
 Ouro-1.4B shapes (arg_specs.BENCH_SPECS): H = 16 KV heads, D = 128, bf16, page size 16 or
 64, a pool of B x T / page_size physical pages (default B = 8 sequences x T = 4096 tokens;
 --quick: 2 x 1024), num_loops = 4. Formats: int4 (K tokens G = page_size up to 64, V
 channels G 64), nvfp4 (G 16), mixed (K int4 base + nvfp4 residuals, V nvfp4 base + int4
-residuals). Reconstructed: loop 0 (base plane only) and loop 3 (base + 3 residual planes),
+residuals), heavy-rope (the best served policy's pages, intb-prerope-hint4-heavy: heavy rows
+over INTB keys and HINT4 values, every loop stored whole, page size 64 only; its keys are
+stored before RoPE, which reconstruction returns as stored). Reconstructed: loop 0 (base
+plane only) and loop 3 (base + 3 residual planes; heavy-rope: loop 3's own plane),
 K and V of every page of the pool in a random order (page ids int32 [P], a permutation), in
 one jitted call per backend: `decode_pages(..., backend=b)` for K and V.
 
@@ -187,7 +190,7 @@ def main(argv=None) -> int:
                     peak_pct=None if peak is None else 100 * gbps * 1e9 / peak,
                 )
             )
-            print(f"  {name:6s} page {spec.page_size:3d} loop {spec.loop}  {backend:7s} "
+            print(f"  {name:10s} page {spec.page_size:3d} loop {spec.loop}  {backend:7s} "
                   f"{t.median_ms:9.3f} ms  {gbps:8.2f} GB/s", flush=True)  # fmt: skip
         if len(results) > 1:  # the backends agree (NaN-free random data: bytes)
             ref = jax.tree.leaves(results.pop("xla"))

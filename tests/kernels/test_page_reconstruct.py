@@ -323,8 +323,10 @@ class TestPallasGPU(ReconstructBase):
     backend = "pallas"
 
     def test_bench_sized_pages(self):
-        """Ouro-sized pages (H 16, D 128), every loop, random page order."""
-        for spec in arg_specs.BENCH_SPECS[:4]:
+        """Ouro-sized pages (H 16, D 128), every loop, random page order: int4 and the best
+        served policy's pages (heavy-rope; interpret mode passes this too, 14 s on 2 CPU cores:
+        not in the CPU suite)."""
+        for spec in [*arg_specs.BENCH_SPECS[:4], _bench_spec("heavy-rope")]:
             small = dataclasses.replace(spec, num_pages=4)
             pages = jnp.asarray(PAGES)
             for kind in arg_specs.KINDS:
@@ -391,6 +393,24 @@ def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
     assert "__gpu$xla.gpu.triton" in text, "no Triton kernel in the lowered module"
     assert plain_float_ops(text) == set(), "plain float division / add in the kernel"
     return text
+
+
+def _bench_spec(name: str, loop: int = 0) -> arg_specs.ReconstructSpec:
+    """The first of `arg_specs.BENCH_SPECS` of `arg_specs.BENCH_FORMATS[name]` at `loop`."""
+    k_base, k_residual = arg_specs.BENCH_FORMATS[name][:2]
+    return next(s for s in arg_specs.BENCH_SPECS if s.loop == loop
+                and (s.k_base_format, s.k_residual_format) == (k_base, k_residual))  # fmt: skip
+
+
+def test_benchmark_times_every_format_on_the_kernel():
+    """bench/page_reconstruct.py times each named format (the best served policy's pages,
+    heavy-rope, included) and skips a backend that declines a configuration: every one it
+    times is one the kernel serves."""
+    for name in arg_specs.BENCH_FORMATS:
+        for loop in (0, 3):
+            spec = _bench_spec(name, loop)
+            for kind in arg_specs.KINDS:
+                assert config_support(spec.config(), kind) is None, (name, spec.name, kind)
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,15 @@ def heavy_format(base: str, heavy_group: int, heads: int | None = None,
     return _remember(HeavyCodec(_CODECS.get(base) or get_codec(base), heavy_group, tables))
 
 
+def heavy_rope_formats(heads: int, head_dim: int) -> tuple[str, str]:
+    """(keys, values): the best served policy's formats (intb-prerope-hint4-heavy) with
+    synthetic tables: heavy rows of 64 tokens over INTB keys with one mean-query table per KV
+    head, and the same rows over HINT4 values. Its keys are stored before RoPE, which changes
+    no byte of a page (RoPE is the reader's: decode attention and prefill)."""
+    keys = heavy_format(intb_format(heads, head_dim), 64, heads, head_dim, query_heads=1)
+    return keys, heavy_format("hint4", 64)
+
+
 def synthetic_codec(name: str):
     """The codec of a synthetic format of this module (registered or not), else None."""
     return _CODECS.get(name)

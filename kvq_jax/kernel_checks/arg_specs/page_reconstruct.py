@@ -16,7 +16,8 @@ Lists:
   PER_LOOP_SPECS   per-loop formats (INT2 included) and loops stored absolute,
   INTB_SPECS       INTB planes (one table, one per layer), and
   ROTATED_SPECS    HINT4 / HINT2 planes and heavy rows over HINT4, un-rotated in the tile
-  BENCH_SPECS      Ouro-like pages: H 16, D 128, pages 16 / 64, int4 / nvfp4 / mixed
+  BENCH_SPECS      Ouro-like pages: H 16, D 128, pages 16 / 64, int4 / nvfp4 / mixed, and
+                   the best served policy's pages ("heavy-rope", 64 only)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvq_jax.kernel_checks.arg_specs.formats import (
     V2442,
     ensure_registered,
     heavy_format,
+    heavy_rope_formats,
     intb_format,
     intb_layers_format,
     synthetic_codec,
@@ -353,12 +355,17 @@ ROTATED_SPECS = (
 )  # fmt: skip
 TEST_SPECS += ROTATED_SPECS
 
+_HEAVY_KEYS, _HEAVY_VALUES = heavy_rope_formats(16, 128)
 BENCH_FORMATS = {
     # name: (K base, K residual, V base, V residual)
     "int4": ("int4", "int4", "int4", "int4"),
     "nvfp4": ("nvfp4", "nvfp4", "nvfp4", "nvfp4"),
     "mixed": ("int4", "nvfp4", "nvfp4", "int4"),
+    # the best served policy (`heavy_rope_formats`): 64-token pages, every loop stored whole
+    "heavy-rope": (_HEAVY_KEYS, _HEAVY_KEYS, _HEAVY_VALUES, _HEAVY_VALUES),
 }
+#: Formats with heavy rows: served at 64-token pages only, later loops stored whole.
+_HEAVY_BENCH = {"heavy-rope"}
 
 BENCH_SPECS = tuple(
     ReconstructSpec(
@@ -373,8 +380,10 @@ BENCH_SPECS = tuple(
         loop=loop,
         dtype="bfloat16",
         num_pages=4096 * 8 // page_size,  # 8 sequences x 4096 tokens
+        k_absolute=(1, 2, 3) if name in _HEAVY_BENCH else (),
+        v_absolute=(1, 2, 3) if name in _HEAVY_BENCH else (),
     )
-    for f in BENCH_FORMATS.values()
-    for page_size in (16, 64)
+    for name, f in BENCH_FORMATS.items()
+    for page_size in ((64,) if name in _HEAVY_BENCH else (16, 64))
     for loop in (0, 3)
 )

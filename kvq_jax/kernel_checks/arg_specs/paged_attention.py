@@ -27,6 +27,7 @@ from kvq_jax.kernel_checks.arg_specs.formats import (
     V2442,
     ensure_registered,
     heavy_format,
+    heavy_rope_formats,
     intb_format,
     intb_layers_format,
 )
@@ -216,8 +217,7 @@ def _ouro_heavy_rope(batch: int, context: int, loop: int) -> PagedAttentionSpec:
     """The best served policy's formats (intb-prerope-hint4-heavy: heavy64 rows over INTB keys
     with a mean-query table and over HINT4 values, keys stored before RoPE) at Ouro-1.4B's
     decode shapes, every loop stored whole (heavy formats have no deltas), 64-token pages."""
-    keys = heavy_format(intb_format(16, 128), 64, 16, 128, query_heads=1)
-    values = heavy_format("hint4", 64)
+    keys, values = heavy_rope_formats(16, 128)
     later = (1, 2, 3)
     return _spec(
         f"ouro-heavy-rope-b{batch}-ctx{context}-p64-loop{loop}", batch, 16, 16, 128, 64,
