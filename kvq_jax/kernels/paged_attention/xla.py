@@ -17,10 +17,11 @@ Values stored in a Hadamard-rotated format in every loop the chain reads (HINT4 
 FORMAT.md 2c) are attended in the rotated space: the quantized rows are decoded without their
 inverse rotation (`decode_pages(rotated=True)`), the raw sink and staging rows are attended
 as they are and their part of the output (sum of p v, [B, H, G, D]) is rotated
-(`OnlineSoftmax.update(value_map=rotate)`), and the output is un-rotated once per query head. The
-rotation is linear, so this is the same attention up to rounding, without a butterfly per
-value row; the reference rounds each decoded row to the cache dtype first, so for a bfloat16
-or float16 cache the two differ by that rounding (float32 caches: float32 round-off).
+(`OnlineSoftmax.update(value_map=rotate)`), and the output is un-rotated once per query
+head. The rotation is linear, so this is the same attention up to rounding, without a
+butterfly per value row; the reference rounds each decoded row to the cache dtype first, so
+for a bfloat16 or float16 cache the two differ by that rounding (float32 caches: float32
+round-off).
 
 Keys stored before RoPE (`PagedCacheConfig.rope_theta`) get RoPE back block by block, at
 their positions, in float32 arithmetic rounded to the cache dtype (`apply_rope_halves`, as the
