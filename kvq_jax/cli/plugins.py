@@ -15,24 +15,30 @@ import logging
 JAX_PLUGIN_LOGGER = "jax._src.xla_bridge"
 _PREFIX = "Jax plugin configuration error"
 
-FIX = (
+#: The fix printed for a CUDA plugin, and for any other.
+CUDA_FIX = (
     "No GPU here: export JAX_PLATFORMS=cpu (JAX then skips the plugin). "
     "A GPU: pip install -U 'jax[cuda13]' (CUDA and cuDNN from the package registry)."
 )
+OTHER_FIX = "To run on the CPU without it: export JAX_PLATFORMS=cpu."
 
 
 class PluginErrorLine(logging.Filter):
     """Rewrites JAX's "plugin configuration error" records (message and traceback) into one
-    line naming the plugin, the reason and `FIX`; other records pass unchanged."""
+    line naming the plugin, the reason and the fix (`CUDA_FIX` for a CUDA plugin, else
+    `OTHER_FIX`); other records pass unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith(_PREFIX) or not record.exc_info:
             return True
+        # (a module that fails to import is logged without its name)
         plugin = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
         error = record.exc_info[1]
         reason = f"{type(error).__name__}: {error}" if error is not None else "unknown error"
+        reason = " ".join(reason.split())  # one line, whatever the error's text
+        fix = CUDA_FIX if "cuda" in str(plugin).lower() else OTHER_FIX
         record.msg = "kvq: JAX's backend plugin %s did not start (%s); JAX goes on without it. %s"
-        record.args = (plugin, reason, FIX)
+        record.args = (plugin, reason, fix)
         record.exc_info, record.exc_text = None, None
         return True
 

@@ -16,9 +16,9 @@ dense attention), which it equals to float32 round-off.
 Values stored in a Hadamard-rotated format in every loop the chain reads (HINT4 / HINT2,
 FORMAT.md 2c) are attended in the rotated space: the quantized rows are decoded without their
 inverse rotation (`decode_pages(rotated=True)`), the raw sink and staging rows are attended
-as they are and their part of the output (sum of p v, [B, H, G, D]) is rotated
-(`OnlineSoftmax.update(value_map=rotate)`), and the output is un-rotated once per query
-head. The rotation is linear, so this is the same attention up to rounding, without a
+as they are, in one update, and their part of the output (sum of p v, [B, H, G, D]) is
+rotated (`OnlineSoftmax.update(value_map=rotate)`), and the output is un-rotated once per
+query head. The rotation is linear, so this is the same attention up to rounding, without a
 butterfly per value row; the reference rounds each decoded row to the cache dtype first, so
 for a bfloat16 or float16 cache the two differ by that rounding (float32 caches: float32
 round-off).
@@ -110,19 +110,17 @@ def paged_decode_attention(
     def raw_rows(stage_or_sink):
         return stage_or_sink[loop][seq_ids]  # [B, n, H, D]
 
-    # raw value rows are attended as they are: their part of the output is rotated instead
-    value_map = rotate if rotated else None
-
+    # The raw rows (the staging page's, and the sink's before them) in one update; their
+    # values attended as they are, their part of the output rotated (rotated values).
+    pos = stage_start[:, None] + jnp.arange(ps)[None, :]
+    raw_valid = (pos >= n_sink) & (pos < length[:, None]) & (stage_start < m_pages * ps)[:, None]
+    raw_k, raw_v = raw_rows(cache.k_stage), raw_rows(cache.v_stage)
     if n_sink:
         pos = jnp.arange(n_sink)[None, :]
-        sink_valid = pos < jnp.minimum(length, stored)[:, None]
-        k_sink, v_sink = raw_rows(cache.k_sink)[:, :n_sink], raw_rows(cache.v_sink)[:, :n_sink]
-        state = soft.update(state, k_sink, v_sink, sink_valid, value_map)
-
-    pos = stage_start[:, None] + jnp.arange(ps)[None, :]
-    stage_valid = (pos >= n_sink) & (pos < length[:, None]) & (stage_start < m_pages * ps)[:, None]
-    state = soft.update(state, raw_rows(cache.k_stage), raw_rows(cache.v_stage), stage_valid,
-                        value_map)  # fmt: skip
+        raw_valid = jnp.concatenate([pos < jnp.minimum(length, stored)[:, None], raw_valid], 1)
+        raw_k = jnp.concatenate([raw_rows(cache.k_sink)[:, :n_sink], raw_k], axis=1)
+        raw_v = jnp.concatenate([raw_rows(cache.v_sink)[:, :n_sink], raw_v], axis=1)
+    state = soft.update(state, raw_k, raw_v, raw_valid, rotate if rotated else None)
 
     block_tokens = block_pages * ps
     # pre-RoPE keys: the tables of every position, constants of the program (static positions)
