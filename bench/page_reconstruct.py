@@ -150,16 +150,14 @@ def main(argv=None) -> int:
     print(f"B = {batch} sequences x {context} tokens, H 16, D 128, bf16; backends {backends}")
 
     rows = []
-    for spec in arg_specs.BENCH_SPECS:
+    chosen = [(n, spec) for n in arg_specs.BENCH_FORMATS if n in formats
+              for spec in arg_specs.bench_specs(n)]  # fmt: skip
+    for name, spec in chosen:
         spec = dataclasses.replace(spec, num_pages=batch * context // spec.page_size)
         cache = random_cache(spec)
         rng = np.random.default_rng(0)
         pages = jnp.asarray(rng.permutation(spec.num_pages).astype(np.int32))
         nbytes = sum(spec.bytes_moved(kind, spec.num_pages) for kind in arg_specs.KINDS)
-        name = next(n for n, f in arg_specs.BENCH_FORMATS.items() if f[0] == spec.k_base_format
-                    and f[1] == spec.k_residual_format)  # fmt: skip
-        if name not in formats:
-            continue
         results = {}
         for backend in backends:
             if backend != "xla" and any(config_support(spec.config(), k) for k in arg_specs.KINDS):

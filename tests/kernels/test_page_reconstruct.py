@@ -326,7 +326,7 @@ class TestPallasGPU(ReconstructBase):
         """Ouro-sized pages (H 16, D 128), every loop, random page order: int4 and the best
         served policy's pages (heavy-rope; interpret mode passes this too, 14 s on 2 CPU cores:
         not in the CPU suite)."""
-        for spec in [*arg_specs.BENCH_SPECS[:4], _bench_spec("heavy-rope")]:
+        for spec in [*arg_specs.BENCH_SPECS[:4], arg_specs.bench_specs("heavy-rope")[0]]:
             small = dataclasses.replace(spec, num_pages=4)
             pages = jnp.asarray(PAGES)
             for kind in arg_specs.KINDS:
@@ -395,20 +395,12 @@ def lower_for_cuda(spec, kind: str, loop: int, *, batch: int | None = None):
     return text
 
 
-def _bench_spec(name: str, loop: int = 0) -> arg_specs.ReconstructSpec:
-    """The first of `arg_specs.BENCH_SPECS` of `arg_specs.BENCH_FORMATS[name]` at `loop`."""
-    k_base, k_residual = arg_specs.BENCH_FORMATS[name][:2]
-    return next(s for s in arg_specs.BENCH_SPECS if s.loop == loop
-                and (s.k_base_format, s.k_residual_format) == (k_base, k_residual))  # fmt: skip
-
-
 def test_benchmark_times_every_format_on_the_kernel():
     """bench/page_reconstruct.py times each named format (the best served policy's pages,
     heavy-rope, included) at loops 0 and 3 and skips a backend that declines a configuration:
     every one it times is one the kernel serves."""
-    timed = {(s.k_base_format, s.k_residual_format, s.loop) for s in arg_specs.BENCH_SPECS}
-    for name, f in arg_specs.BENCH_FORMATS.items():
-        assert {(f[0], f[1], 0), (f[0], f[1], 3)} <= timed, name
+    for name in arg_specs.BENCH_FORMATS:
+        assert {s.loop for s in arg_specs.bench_specs(name)} == {0, 3}, name
     for spec in arg_specs.BENCH_SPECS:
         for kind in arg_specs.KINDS:
             assert config_support(spec.config(), kind) is None, (spec.name, kind)

@@ -18,6 +18,7 @@ Lists:
   ROTATED_SPECS    HINT4 / HINT2 planes and heavy rows over HINT4, un-rotated in the tile
   BENCH_SPECS      Ouro-like pages: H 16, D 128, pages 16 / 64, int4 / nvfp4 / mixed, and
                    the best served policy's pages ("heavy-rope", 64 only)
+  bench_specs      one format's BENCH_SPECS (the benchmark's --formats)
 """
 
 from __future__ import annotations
@@ -387,3 +388,11 @@ BENCH_SPECS = tuple(
     for page_size in ((64,) if name in _HEAVY_BENCH else (16, 64))
     for loop in (0, 3)
 )
+
+
+def bench_specs(name: str) -> tuple[ReconstructSpec, ...]:
+    """The `BENCH_SPECS` of format `name` of `BENCH_FORMATS`, in their order."""
+    k_base, k_residual = BENCH_FORMATS[name][:2]
+    return tuple(
+        s for s in BENCH_SPECS if (s.k_base_format, s.k_residual_format) == (k_base, k_residual)
+    )
