@@ -104,7 +104,8 @@ def test_report_plain_model_end_to_end(tiny_dirs, capsys):
     # tables for another model (skipped, saying so)
     assert list(rows) == [n for n in DEFAULT_REPORT if POLICIES[n].key_tables is None]
     captured = capsys.readouterr()
-    for name in ("intb-smollm2", "intb-hint4-smollm2+win"):  # tables for SmolLM2, not this model
+    # tables for SmolLM2, not this model
+    for name in ("intb-hint4-smollm2", "intb-prerope-hint4-heavy-smollm2+win"):
         assert f"skipping {name}: policy {name!r}: its key tables are for" in captured.err
     assert info["loops"] == 1 and info["emulated"] is False
     assert info["positions"] == WINDOWS * PREDICTIONS

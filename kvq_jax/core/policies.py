@@ -492,21 +492,22 @@ def per_layer_policies(policy: Policy, tables, layers, register) -> tuple[Policy
     return tuple(out)
 
 
-#: The rows of `kvq report` with no --policies: served policies (`serving_support`) and the
-#: bf16 reference, at most 12; "all" adds the others, each with the reason it is not served.
+#: The rows of `kvq report` with no --policies, at most 12: the bf16 reference, the formats
+#: of FlashLoop and vLLM, FlashLoop's profiles against absolute loops at the same 3 bits, and
+#: the calibrated policies up to the best served; "all" adds the rest of the registry.
 DEFAULT_REPORT = (
     "bf16",
-    "int4-g32",
     "int4-g64",
     "int4-g64+win",
     "nvfp4",
     "fp8",
     "mixed",
     "flashloop-kivi",
-    "int4-hint4",
-    "intb-smollm2",
+    "flashloop-legacy",
+    "loops-abs-v2442",
     "intb-hint4-smollm2",
-    "intb-hint4-smollm2+win",
+    "intb-prerope-hint4-heavy-smollm2",
+    "intb-prerope-hint4-heavy-smollm2+win",
 )
 
 

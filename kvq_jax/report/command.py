@@ -27,8 +27,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies",
         default=None,
         metavar="A,B,...",
-        help="comma-separated policy names, or all (every policy; those the paged cache and "
-        "the engine do not serve are marked, with the reason); default: the served policies "
+        help="comma-separated policy names, or all (every policy; one the paged cache and "
+        "the engine do not serve is marked, with the reason); default: "
         f"{', '.join(DEFAULT_REPORT)}; all names: {', '.join(POLICIES)}",
     )
     parser.add_argument(
