@@ -26,6 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvq_jax.cli import plugins
+
+# JAX's plugin traceback (the CUDA plugin on a machine without a GPU) as kvq's one line, as
+# `kvq` does: every benchmark that times imports this module before its first device use.
+plugins.install()
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:

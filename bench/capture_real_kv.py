@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from kvq_jax.cli import plugins
 from kvq_jax.core.policies import POLICIES
 from kvq_jax.report.capture import EMBEDDED_PATH, make_capture, save_capture
 from kvq_torch_bridge.model_eval.codecs import get_loop_coder
@@ -86,6 +87,7 @@ def capture(model_spec, windows, tokens, layers, loops, dtype="bfloat16"):
 
 
 def main(argv=None) -> int:
+    plugins.install()  # JAX's plugin traceback (no GPU) as kvq's one line, as `kvq` does
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--windows", type=int, default=2)

@@ -44,6 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
+from kvq_jax.cli import plugins
 from kvq_jax.core.calibration import apply_key_tables
 from kvq_jax.engine import Engine, resolve_policy
 from kvq_jax.models import load_model
@@ -92,6 +93,7 @@ def default_text(model) -> str | None:
 
 
 def main(argv=None) -> None:
+    plugins.install()  # JAX's plugin traceback (no GPU) as kvq's one line, as `kvq` does
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

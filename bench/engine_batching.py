@@ -13,6 +13,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from kvq_jax.cli import plugins
 from kvq_jax.engine import Engine
 from kvq_jax.models import load_model
 
@@ -25,6 +26,7 @@ PROMPTS = [
 
 
 def main() -> None:
+    plugins.install()  # JAX's plugin traceback (no GPU) as kvq's one line, as `kvq` does
     model = load_model("smollm2", "float32")
     tok = model.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]

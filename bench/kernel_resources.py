@@ -26,6 +26,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from kvq_jax.cli import plugins
 from kvq_jax.kernel_checks import cuda_compile as cc
 
 COLUMNS = (
@@ -159,6 +160,7 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    plugins.install()  # JAX's plugin traceback (no GPU) as kvq's one line, as `kvq` does
     args = parse_args(argv)
     if args.from_json:
         data = json.loads(pathlib.Path(args.from_json).read_text())

@@ -38,6 +38,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from kvq_jax.cli import plugins
 from kvq_jax.core.policies import POLICIES, Policy
 from kvq_jax.report.capture import EMBEDDED_PATH, Capture, load_capture, save_capture
 
@@ -150,6 +151,7 @@ def delta_table(name: str, cap: Capture) -> tuple[str, list[dict]]:
 
 
 def main(argv=None) -> int:
+    plugins.install()  # JAX's plugin traceback (no GPU) as kvq's one line, as `kvq` does
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="looped-tiny")
     ap.add_argument("--text", default=None, help="UTF-8 text (default: the checkpoint's "

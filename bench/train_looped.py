@@ -427,6 +427,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from kvq_jax.cli import plugins
+
+    plugins.install()  # JAX's plugin traceback (no GPU) as kvq's one line, as `kvq` does
     args = parse_args(argv)
     import jax
     import optax

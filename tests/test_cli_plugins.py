@@ -9,6 +9,7 @@ import importlib.util
 import io
 import logging
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -87,12 +88,13 @@ def test_without_the_filter_jax_logs_a_traceback(monkeypatch):
     importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
     reason="the CUDA plugin (the cuda-compile extra) is not installed: no plugin to fail",
 )
-def test_kvq_prints_one_line_where_jax_prints_a_traceback():
+def test_kvq_and_a_benchmark_print_one_line_where_jax_prints_a_traceback(tmp_path):
     """End to end, against jax itself: where a bare `jax.devices()` logs the CUDA plugin's
-    failure with a traceback (CI's machine: the plugin, no GPU), `kvq demo` prints the one
-    line instead; where the plugin starts, neither prints anything about it. Run without the
-    variables that keep the plugin from failing (conftest's JAX_PLATFORMS=cpu; the
-    `cuda_compile` harness's JAX_SKIP_CUDA_CONSTRAINTS_CHECK, set once a worker imports it)."""
+    failure with a traceback (CI's machine: the plugin, no GPU), `kvq demo` and a benchmark
+    (through `bench/_timing.py`) print the one line instead; where the plugin starts, neither
+    prints anything about it. Run without the variables that keep the plugin from failing
+    (conftest's JAX_PLATFORMS=cpu; the `cuda_compile` harness's
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK, set once a worker imports it)."""
     skip = ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
     env = {k: v for k, v in os.environ.items() if k not in skip}
 
@@ -103,11 +105,20 @@ def test_kvq_prints_one_line_where_jax_prints_a_traceback():
         return proc.stderr
 
     bare = run("-c", "import jax; jax.devices()")
-    kvq = run("-m", "kvq_jax.cli.commands", "demo", "--repeats", "1")
-    assert "Traceback" not in kvq, kvq
-    if "Jax plugin configuration error" in bare and "xla_cuda13" in bare:
+    bench = pathlib.Path(__file__).resolve().parents[1] / "bench" / "codec_speed.py"
+    quick = ("--quick", "--shapes", "128,2,64", "--json", str(tmp_path / "rows.json"))
+    runs = {
+        "kvq": run("-m", "kvq_jax.cli.commands", "demo", "--repeats", "1"),
+        "bench": run(str(bench), *quick),
+    }
+    failed = "Jax plugin configuration error" in bare and "xla_cuda13" in bare
+    if failed:
         assert "Traceback" in bare  # what kvq replaces
-        lines = [line for line in kvq.splitlines() if "xla_cuda13" in line]
-        assert len(lines) == 1 and lines[0].startswith("kvq: ") and "JAX_PLATFORMS=cpu" in lines[0]
-    else:
-        assert "xla_cuda13" not in kvq, kvq
+    for name, err in runs.items():
+        assert "Traceback" not in err, (name, err)
+        if failed:
+            lines = [line for line in err.splitlines() if "xla_cuda13" in line]
+            assert len(lines) == 1 and lines[0].startswith("kvq: "), (name, err)
+            assert "JAX_PLATFORMS=cpu" in lines[0], (name, err)
+        else:
+            assert "xla_cuda13" not in err, (name, err)
