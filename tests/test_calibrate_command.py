@@ -110,7 +110,15 @@ def test_bad_arguments_are_one_line(capsys, tmp_path):
     assert "--windows must be >= 1" in capsys.readouterr().err
     assert main(["calibrate", "--model", "looped-tiny", "--text", str(tmp_path / "none.txt"),
                  "--out", str(tmp_path / "x.npz")]) == 2  # fmt: skip
-    assert "kvq calibrate: error:" in capsys.readouterr().err
+    assert f"kvq calibrate: error: --text: {tmp_path / 'none.txt'} is not a file" in (
+        capsys.readouterr().err
+    )
+    # a capture that could not be written: refused before anything is written
+    assert main(["calibrate", "--model", "looped-tiny", "--text", difflib.__file__, "--out",
+                 str(tmp_path / "x.npz"), "--save-capture",
+                 str(tmp_path / "no" / "c.npz")]) == 2  # fmt: skip
+    assert f"--save-capture: folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "x.npz").exists()
 
 
 def test_report_on_a_capture_uses_the_tables(tables, capsys, tmp_path):

@@ -151,9 +151,14 @@ def run(args) -> int:
                         (args.batch, "--batch")):  # fmt: skip
             if n < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
+        for f in args.text:
+            if not pathlib.Path(f).is_file():
+                raise ValueError(f"--text: {f} is not a file")
         out = pathlib.Path(args.out)
-        if not out.resolve().parent.is_dir():
-            raise ValueError(f"--out: folder {out.resolve().parent} does not exist")
+        for option, path in (("--out", out), ("--save-capture", args.save_capture)):
+            folder = None if path is None else pathlib.Path(path).resolve().parent
+            if folder is not None and not folder.is_dir():
+                raise ValueError(f"{option}: folder {folder} does not exist")
         model = load_model(args.model, args.dtype)
         if model.tokenizer is None:
             raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer")
