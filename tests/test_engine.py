@@ -434,6 +434,7 @@ def test_kvq_generate_dtype_auto(monkeypatch):
         (["--num-pages", "1", "--prompt-ids", ",".join(["5"] * 20)], "whole pool of 16"),
         (["--model", "/nonexistent"], "model '/nonexistent'"),
         (["--loops", "0"], "loops must be an int >= 1"),
+        (["--json", "/nonexistent/r.json"], "--json: folder /nonexistent does not exist"),
     ],
 )
 def test_kvq_generate_errors(ouro_dir, capsys, extra, message):

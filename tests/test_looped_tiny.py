@@ -187,6 +187,9 @@ def test_kvq_loops_errors(tmp_path, capsys):
     assert "kvq loops: error: --text" in capsys.readouterr().err
     assert commands.main(["loops", "--model", "looped-tiny", "--window", "1"]) == 2
     assert "--window" in capsys.readouterr().err
+    no = tmp_path / "no"  # checked before the run, not after it
+    assert commands.main(["loops", "--model", "looped-tiny", "--json", str(no / "x.json")]) == 2
+    assert f"kvq loops: error: --json: folder {no} does not exist" in capsys.readouterr().err
 
 
 # --- training -----------------------------------------------------------------------------------

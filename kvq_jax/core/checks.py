@@ -5,10 +5,12 @@ array, a `jax.ShapeDtypeStruct`, or the Torch stack's `ShapeDtype` view of a ten
 TypeError / ValueError naming the argument, with the same message in both stacks. The
 `host_*` checks read data (numpy arrays copied to the host by the caller): they are the
 explicit, optional checks of calls whose hot path never syncs with the host.
+`check_output_folders` is the commands' check of the files they will write, before any work.
 """
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -520,3 +522,15 @@ def check_swap_in(config, sequence, slot, pages) -> np.ndarray:
         )
     check_slot(config, slot)
     return check_page_ids(config, pages)
+
+
+def check_output_folders(**options) -> None:
+    """ValueError naming the option (`out_json="x/y.json"` is "--out-json") whose file's
+    folder does not exist; None: the option is not given. A command calls it before its
+    work, so a run is never lost at the end to a file it cannot write."""
+    for name, path in options.items():
+        if path is None:
+            continue
+        folder = pathlib.Path(path).resolve().parent
+        if not folder.is_dir():
+            raise ValueError(f"--{name.replace('_', '-')}: folder {folder} does not exist")

@@ -21,6 +21,8 @@ import sys
 
 import numpy as np
 
+from kvq_jax.core.checks import check_output_folders
+
 DESCRIPTION = (
     "Generate with kvq_jax.engine (per-layer quantized paged KV caches, jitted prefill and "
     "decode) under a storage policy; print the text, prefill/decode tokens/s and the KV bytes "
@@ -231,6 +233,7 @@ def run(args) -> int:
         for name in ("max_new_tokens", "page_size", "prefill_chunk"):
             if getattr(args, name) < 1:
                 raise _Error(f"--{name.replace('_', '-')} must be >= 1")
+        check_output_folders(json=args.json)
         try:
             model = load_model(args.model, dtype)
         except (ImportError, OSError) as e:  # MissingPackages: one message, one command

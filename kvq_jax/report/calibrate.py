@@ -34,6 +34,7 @@ from kvq_jax.core.calibration import (
     mean_query_table,
     save_key_tables,
 )
+from kvq_jax.core.checks import check_output_folders
 from kvq_jax.report.capture import load_capture, make_capture, save_capture
 
 
@@ -155,10 +156,7 @@ def run(args) -> int:
             if not pathlib.Path(f).is_file():
                 raise ValueError(f"--text: {f} is not a file")
         out = pathlib.Path(args.out)
-        for option, path in (("--out", out), ("--save-capture", args.save_capture)):
-            folder = None if path is None else pathlib.Path(path).resolve().parent
-            if folder is not None and not folder.is_dir():
-                raise ValueError(f"{option}: folder {folder} does not exist")
+        check_output_folders(out=out, save_capture=args.save_capture)
         model = load_model(args.model, args.dtype)
         if model.tokenizer is None:
             raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer")

@@ -11,6 +11,7 @@ import pathlib
 import sys
 import time
 
+from kvq_jax.core.checks import check_output_folders
 from kvq_jax.core.policies import DEFAULT_REPORT, POLICIES
 
 REPORT_DESCRIPTION = (
@@ -107,9 +108,10 @@ def run(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             return _error("--plot needs matplotlib: pip install -e '.[plot]'")
-    for option, out in (("--json", args.json), ("--plot", args.plot)):
-        if out is not None and not pathlib.Path(out).resolve().parent.is_dir():
-            return _error(f"{option}: the folder of {out} does not exist")
+    try:
+        check_output_folders(json=args.json, plot=args.plot)
+    except ValueError as e:
+        return _error(str(e))
     source = "embedded capture" if args.kv is None else str(args.kv)
     try:
         capture = cap.load_capture(args.kv)

@@ -23,6 +23,8 @@ import sys
 
 import numpy as np
 
+from kvq_jax.core.checks import check_output_folders
+
 DESCRIPTION = (
     "Per-loop next-token NLL of a looped (Ouro) model over a text (teacher forced, windows of "
     "the model's context) and the histogram of exit loops at the model's early-exit threshold."
@@ -155,6 +157,7 @@ def run(args) -> int:
     try:
         if args.window is not None and args.window < 2:
             raise ValueError("--window must be >= 2")
+        check_output_folders(json=args.json)
         try:
             model = load_model(args.model, args.dtype)
         except (ImportError, OSError) as e:
