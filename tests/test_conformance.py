@@ -169,5 +169,16 @@ def test_cli_reports_pass_and_fail(capsys, tmp_path, every):
     assert cli.main(["conformance", "test_conformance:off_by_one_code", *vectors]) == 1
     out = capsys.readouterr().out
     assert "FAIL ties/e2m1_midpoints [nvfp4]: codes:" in out
-    with pytest.raises(SystemExit, match="MODULE:FUNCTION"):
-        cli.main(["conformance", "kvq_jax.pack_kv"])
+    # arguments that cannot be loaded: one line each, exit 2, before any vector runs
+    for argv, message in (
+        (["kvq_jax.pack_kv"], "expected MODULE:FUNCTION, got 'kvq_jax.pack_kv'"),
+        (["no_such_module_kvq:pack"], "no_such_module_kvq:pack: cannot import no_such_module_kvq"),
+        (["kvq_jax:no_such_pack"], "kvq_jax:no_such_pack: kvq_jax has no attribute"),
+        (["kvq_jax:__version__"], "kvq_jax:__version__ is not callable"),
+        (["kvq_jax:pack_kv", "--vectors", str(tmp_path / "none.npz")], "none.npz"),
+        (["kvq_jax:pack_kv", "--heavy", "kvq_jax.codecs"], "has no attribute 'select_heavy'"),
+    ):
+        assert cli.main(["conformance", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("kvq conformance: error: ") and err.count("\n") == 1, err
+        assert message in err and "Traceback" not in err, (argv, err)

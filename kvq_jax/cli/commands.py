@@ -92,37 +92,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_callable(spec: str):
-    """'package.module:function' -> the function (a clear error otherwise)."""
+    """'package.module:function' -> the function; ValueError naming the spec otherwise (no
+    colon, a module that does not import, no such attribute, not callable)."""
     import importlib
 
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise SystemExit(f"kvq: expected MODULE:FUNCTION, got {spec!r}")
-    obj = importlib.import_module(module_name)
+        raise ValueError(f"expected MODULE:FUNCTION, got {spec!r}")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:  # the module, or a package it imports, is missing
+        raise ValueError(f"{spec}: cannot import {module_name} ({type(e).__name__}: {e})") from None
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{spec}: {module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise SystemExit(f"kvq: {spec} is not callable")
+        raise ValueError(f"{spec} is not callable")
     return obj
 
 
 def conformance(args) -> int:
+    """`kvq conformance`: 0 when every vector passes, 1 when one fails, 2 (one line) for an
+    argument that cannot be loaded."""
     from kvq_jax import conformance as conf
 
-    pack = load_callable(args.pack)
-    unpack = load_callable(args.unpack) if args.unpack else None
-    cases = conf.load_vectors(args.vectors) if args.vectors else conf.load_vectors()
+    try:
+        pack = load_callable(args.pack)
+        unpack = load_callable(args.unpack) if args.unpack else None
+        register = load_callable(args.register_table) if args.register_table else None
+        heavy = None
+        if args.heavy:
+            heavy = [load_callable(f"{args.heavy}:{n}_heavy") for n in ("select", "pack", "unpack")]
+        cases = conf.load_vectors(args.vectors) if args.vectors else conf.load_vectors()
+    except (ValueError, OSError) as e:
+        print(f"kvq conformance: error: {e}", file=sys.stderr)
+        return 2
     print(
         f"kvq conformance: {args.pack}"
         + (f" + {args.unpack}" if unpack else "")
         + f" on {len(cases)} vectors ({args.input} input)\n"
     )
-    register = load_callable(args.register_table) if args.register_table else None
     results = conf.check_pack(
         pack, unpack_fn=unpack, input_kind=args.input, cases=cases, register_table=register
     )
-    if args.heavy:
-        heavy = [load_callable(f"{args.heavy}:{n}_heavy") for n in ("select", "pack", "unpack")]
+    if heavy is not None:
         more = conf.check_heavy(heavy[0], heavy[1], unpack_fn=heavy[2], input_kind=args.input)
         results += [dataclasses.replace(r, name=f"heavy/{r.name}") for r in more]
     print(conf.format_report(results))
