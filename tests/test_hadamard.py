@@ -5,8 +5,9 @@ The oracle's rotation is checked against hand-worked values and an independent n
 matrix (float64, on data where every butterfly sum is exact), its payload against the INT4 /
 INT2 oracle of those rotated rows; the jitted, eager and vmapped JAX codec and the Torch codec
 against the oracle byte for byte (special values included); residual chains against the
-oracle's; decode attention's kernel attends HINT values and the other kernels decline the
-formats with a reason; bad arguments raise naming the argument. The rotation earns its
+oracle's; the kernels take HINT values (decode attention in the rotated space, page
+reconstruction and packing rotating in the tile) and decode attention declines HINT keys with
+a reason; bad arguments raise naming the argument. The rotation earns its
 place: on rows with outlier channels it lowers INT4's error.
 Planted defects (strict xfails) show the checks can fail.
 """

@@ -428,11 +428,12 @@ def serving_support(policy: Policy, *, num_loops: int | None = None) -> ServingS
     """Can the paged cache and the engine serve `policy` at `num_loops` loops, and if not, why.
 
     num_loops: the model's loop count, or None (any). The one answer every refusal quotes:
-    the engine, `kvq generate`, `kvq report` (its default rows are the served policies) and
+    the engine, `kvq generate`, `kvq report` (a policy it refuses is marked) and
     `cache_config_for`. Every policy of the registry is served now: per-layer key tables
-    (`Policy.key_tables`), heavy rows, keys before RoPE, per-loop formats and absolute loops
-    (the last four by the XLA path: the kernels decline them); whether a table set fits a
-    model is checked where the model is known (`KeyTables.check_fit`).
+    (`Policy.key_tables`), heavy rows, keys before RoPE, per-loop formats and absolute loops,
+    by the XLA path and the kernels (each kernel's `config_support` says what it declines);
+    whether a table set fits a model is checked where the model is known
+    (`KeyTables.check_fit`).
     """
     if isinstance(num_loops, bool) or not (num_loops is None or isinstance(num_loops, int)):
         raise TypeError(f"num_loops must be an int or None, got {num_loops!r}")
