@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 
 import numpy as np
 import pytest
@@ -64,6 +65,31 @@ def test_generate_uses_the_tables(tables, capsys, tmp_path):
     assert main(["generate", "--model", "looped-tiny", "--policy", "int4-g64", "--tables",
                  str(path), "--prompt-ids", "5,6", "--max-new-tokens", "2"]) == 2  # fmt: skip
     assert "stores per-layer key tables" in capsys.readouterr().err
+
+
+def test_a_refusal_names_the_command_that_makes_fitting_tables(capsys, tmp_path):
+    """The shipped tables of the best policy refused on another model name the `kvq calibrate`
+    command of a table set of their kind (3.75 mean bits, mean-query tables, keys before
+    RoPE); run as printed (a text for FILE ..., fewer windows), it makes tables the policy
+    takes on that model (looped-tiny: with exits, every loop run)."""
+    policy = "intb-prerope-hint4-heavy-smollm2"
+    generate = ["generate", "--model", "looped-tiny", "--policy", policy, "--prompt-ids",
+                "5,6,7", "--max-new-tokens", "2"]  # fmt: skip
+    assert main(generate) == 2
+    err = capsys.readouterr().err
+    command = re.search(r"tables of this kind for it: (kvq calibrate .*?) \(then --tables", err)
+    assert command, err
+    command = command.group(1)
+    assert command == ("kvq calibrate --model looped-tiny --text FILE ... --mean-bits 3.75 "
+                       "--mean-query --pre-rope --out TABLES.npz")  # fmt: skip
+    path = tmp_path / "fit.npz"
+    argv = command.replace("FILE ...", difflib.__file__).replace("TABLES.npz", str(path))
+    assert main([*argv.split()[1:], "--windows", "2", "--tokens", "64"]) == 0
+    assert main([*generate, "--tables", str(path)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"[{policy.replace('-smollm2', '')}@fit]" in out
+    # looped-tiny's exits would skip loops: with heavy rows every loop runs, and it says so
+    assert "4.00 loops/token (every loop runs: heavy-row pages are not served with" in out
 
 
 def test_with_key_tables_checks_the_file(tables, tmp_path):

@@ -246,6 +246,25 @@ def test_exits_across_absolute_loops_match_the_reference():
     assert len(set(request.exit_loops[1:])) > 1
 
 
+def test_heavy_rows_with_exits_run_every_loop(monkeypatch):
+    """3-loop Ouro at threshold 0.5 with heavy-row pages in every loop: the cache of exits that
+    skip loops does not take them, so by default (skip_exited=None) every loop runs and each
+    token keeps its exit loop's logits, as the reference that runs every loop; asking to skip
+    is refused naming skip_exited; a policy without heavy rows still skips."""
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    policy, _ = _intb_policy(monkeypatch, tables, heavy=True)
+    model = _gated_ouro()
+    engine, request = _against_reference(model, policy)
+    assert not engine.skip_exited and not engine.cache_config.adaptive_exit
+    assert len(set(request.exit_loops[1:])) > 1  # the tokens exit at different loops ...
+    assert engine.stats["decode_loops"] == 3 * engine.stats["decode_steps"]  # ... none skipped
+    with pytest.raises(ValueError, match="skip_exited: policy 'heavy-g16' stores heavy rows"):
+        Engine(model, policy, num_pages=8, page_size=16, max_seqs=2, max_pages_per_seq=4,
+               skip_exited=True)  # fmt: skip
+    assert Engine(model, _groups_of_16("int4-g16"), num_pages=8, page_size=16, max_seqs=2,
+                  max_pages_per_seq=4).skip_exited  # fmt: skip
+
+
 def test_exits_through_the_kernels_match_the_reference(monkeypatch):
     """The same through the kernels (`_through_the_kernels`): page packing, page
     reconstruction (the previous loop of each delta, each row kept at its exit loop by the

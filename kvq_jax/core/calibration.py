@@ -177,7 +177,8 @@ class KeyTables:
         if names is not None and not any(name in self.models for name in names):
             raise ValueError(
                 f"policy {policy_name!r}: its key tables are for {' / '.join(self.models)}, "
-                f"not {names[0]!r}"
+                f"not {names[0]!r}; tables of this kind for it: {self.calibrate_command(names[0])}"
+                " (then --tables TABLES.npz)"
             )
         missing = sorted(set(range(num_layers)) - set(self.tables))
         if missing:
@@ -192,6 +193,18 @@ class KeyTables:
         if theirs is not None and rope_theta is not None and float(rope_theta) != float(theirs):
             raise ValueError(f"policy {policy_name!r}: its pre-RoPE key tables are for RoPE "
                              f"base {theirs}, the model's is {rope_theta}")  # fmt: skip
+
+    def calibrate_command(self, model: str) -> str:
+        """The `kvq calibrate` command that makes a table set of this kind (mean width, token
+        group, mean-query tables, keys before RoPE) for `model`."""
+        widths = [b for table in self.tables.values() for row in table for b in row]
+        mean_bits = float(np.mean(widths)) if widths else 4.0
+        flags = [f"--mean-bits {mean_bits:g}" if round(mean_bits, 4) != 4.0 else "",
+                 f"--group-size {self.group_size}" if self.group_size != 64 else "",
+                 "--mean-query" if self.mean_query is not None else "",
+                 "--pre-rope" if self.rope_theta is not None else ""]  # fmt: skip
+        flags = "".join(f" {f}" for f in flags if f)
+        return f"kvq calibrate --model {model} --text FILE ...{flags} --out TABLES.npz"
 
     def heavy_table(self, policy_name: str, layer: int) -> np.ndarray:
         """The bfloat16 mean-query table of model layer `layer`, or a ValueError."""

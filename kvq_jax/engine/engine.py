@@ -46,8 +46,11 @@ checkpoint's count), the final norm after every loop. Ouro: each loop's logits a
 are computed for the sampled position, and the token's logits are those of its exit loop
 (`ouro.exit_loops` with the config's `early_exit_threshold`; 1.0 = the last loop). With a
 threshold < 1 a decode step stops looping once every active row has exited (`skip_exited`,
-the default; the runner's module doc); `skip_exited=False` runs every loop, as `ouro.forward`
-does, and only selects the exit loop's logits. Llama with loops > 1 is an emulation
+the default where the policy's pages allow; the runner's module doc); `skip_exited=False` runs
+every loop, as `ouro.forward` does, and only selects the exit loop's logits. Heavy-row pages
+(FORMAT.md 5a) are not served by the cache of exits that skip loops (its depth map reads an
+exited row from its exit loop's page): with them every loop runs, unless one loop's K/V is
+shared (`loop_kv`). Llama with loops > 1 is an emulation
 (`Engine.emulated`; the model was not trained to loop): the last loop's logits, the
 semantics of the Torch runner `kvq_torch_bridge.model_eval.looped.run_logits`.
 
@@ -251,10 +254,11 @@ class Engine:
     `jax.sharding.Mesh`, or None) and mesh_axis: split every cache over its KV heads along
     that mesh axis (`cache_state.head_shardings`; the parameters are replicated), the same
     tokens as unsharded; skip_exited: decode stops looping once every active row has exited
-    (Ouro, early_exit_threshold < 1); loop_kv: "all", "last" or "mean" (`runner.LOOP_KV`: one
-    shared K/V plane per layer at decode time, the prompts' per-loop planes in a scratch pool
-    of prefill_batch sequences while they prefill); prefill_batch: requests `step` admits and
-    prefills together (at most max_seqs).
+    (Ouro, early_exit_threshold < 1; None: where the pages allow, not with heavy rows in
+    every loop's planes; True there is a ValueError); loop_kv: "all", "last" or "mean"
+    (`runner.LOOP_KV`: one shared K/V plane per layer at decode time, the prompts' per-loop
+    planes in a scratch pool of prefill_batch sequences while they prefill); prefill_batch:
+    requests `step` admits and prefills together (at most max_seqs).
 
     See the module doc for what attention reads, the policies and the batching rules.
     Every error (ValueError) is raised before anything changes, so the engine stays usable.
@@ -274,7 +278,7 @@ class Engine:
         backend: str = "auto",
         mesh=None,
         mesh_axis: str = "heads",
-        skip_exited: bool = True,
+        skip_exited: bool | None = None,
         loop_kv: str = "all",
         prefill_batch: int = 4,
     ):
@@ -309,14 +313,24 @@ class Engine:
         shared = loop_kv != "all" and config.num_loops > 1
         #: loop planes the stores keep per token (1 with a shared loop_kv)
         self.stored_loops = 1 if shared else config.num_loops
-        if not isinstance(skip_exited, bool):
-            raise ValueError(f"skip_exited must be a bool, got {skip_exited!r}")
+        if skip_exited is not None and not isinstance(skip_exited, bool):
+            raise ValueError(f"skip_exited must be a bool or None, got {skip_exited!r}")
+        gated = config.arch == "ouro" and config.early_exit_threshold < 1 and config.num_loops > 1
+        # heavy rows in the per-loop planes: no adaptive-exit cache (PagedCacheConfig)
+        heavy = self.policy.quantized and self.policy.heavy is not None and not shared
+        if skip_exited and gated and heavy:
+            raise ValueError(
+                f"skip_exited: policy {self.policy.name!r} stores heavy rows, which the cache "
+                "does not serve with exits that skip loops; pass skip_exited=None or False "
+                "(every loop runs, each token keeps its exit loop's logits)"
+            )
         #: decode skips the loops after every active row has exited (Ouro, threshold < 1)
-        self.skip_exited = (
-            skip_exited
-            and config.arch == "ouro"
-            and config.early_exit_threshold < 1
-            and config.num_loops > 1
+        self.skip_exited = gated and (not heavy if skip_exited is None else skip_exited)
+        #: why decode runs every loop where exits could skip some (None: not so, or asked)
+        self.every_loop_reason = (
+            "heavy-row pages are not served with exits that skip loops"
+            if gated and heavy and skip_exited is None
+            else None
         )
         # Shared loop_kv: a prompt being prefilled keeps every loop in a scratch pool of
         # prefill_batch sequences (its own allocator), freed when its prefill ends.

@@ -154,6 +154,7 @@ def _run_policy(model, policy, prompt, args, *, forced=None, keep_logits=False) 
         "decode_tokens_per_s": st["decode_tokens"] / max(st["decode_s"], 1e-9),
         "compile_s": compile_s,
         "loop_kv": engine.loop_kv,
+        "every_loop_reason": engine.every_loop_reason,
         "loops_per_token": st["decode_loops"] / st["decode_steps"] if st["decode_steps"] else None,
         "kv_bytes_per_token": kv,
         "bf16_bytes_per_token": bf16,
@@ -197,6 +198,8 @@ def _print_run(run: dict) -> None:
         f"({run['finish_reason']})"
         + ("" if run["loops_per_token"] is None else
            f"; {run['loops_per_token']:.2f} loops/token")
+        + ("" if run["every_loop_reason"] is None else
+           f" (every loop runs: {run['every_loop_reason']})")
     )  # fmt: skip
     print(
         f"  KV bytes/token: {run['kv_bytes_per_token']:.1f} (bf16: "
