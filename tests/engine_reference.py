@@ -127,7 +127,7 @@ def _rows(config, plane, length, stored):
 
 
 def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, skip=False,
-                     forced=None, loop_kv="all"):  # fmt: skip
+                     forced=None, loop_kv="all", scratch_config=None):  # fmt: skip
     """Greedy decode of `num_new` tokens after prompt `tokens` (or feed `forced`, num_new ids).
 
     cache_config: the engine's `PagedCacheConfig` of every layer, or a tuple of one per layer
@@ -136,8 +136,10 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
     prompt attends per loop, as its scratch holds it; a decode token at loop l attends to
     the earlier tokens' shared rows, stored as a one-plane cache, and to its own loop-l row;
     each token's shared row, its last loop's K/V or the float32 mean over its loops, is
-    stored after its last loop). Returns (tokens [num_new], logits float32 [num_new, V],
-    exit loops [num_new]).
+    stored after its last loop); scratch_config: with a shared loop_kv, the configurations of
+    the prompt's every-loop scratch (`Engine.scratch_configs`; None: `cache_config` at every
+    loop, which does not hold for heavy rows, stored in loops stored whole). Returns (tokens
+    [num_new], logits float32 [num_new, V], exit loops [num_new]).
     """
     config = model.config if loops is None else dataclasses.replace(model.config, num_loops=loops)
     arch = architecture(config)
@@ -149,7 +151,9 @@ def reference_decode(model, tokens, num_new, *, cache_config=None, loops=None, s
     shared_planes = {(i, kind): _Plane() for i in range(n_layers) for kind in ("key", "value")}
     per_layer = cache_config if isinstance(cache_config, tuple) else (cache_config,) * n_layers
     shared_configs, loop_configs = per_layer, per_layer
-    if shared and cache_config is not None:  # the prompt's scratch keeps every loop
+    if shared and scratch_config is not None:  # the prompt's scratch keeps every loop
+        loop_configs = scratch_config
+    elif shared and cache_config is not None:
         loop_configs = tuple(dataclasses.replace(c, num_loops=n_loops) for c in per_layer)
     ouro_exit = config.arch == "ouro"
     threshold = config.early_exit_threshold

@@ -41,7 +41,7 @@ def _against_reference(model, policy, *, prompt_len=20, page_size=16, loops=None
     _, logits, exits = reference_decode(
         model, prompt, 17, cache_config=engine.cache_configs, loops=loops,
         skip=engine.skip_exited if reference_skip is None else reference_skip,
-        forced=request.tokens, loop_kv=engine.loop_kv,
+        forced=request.tokens, loop_kv=engine.loop_kv, scratch_config=engine.scratch_configs,
     )  # fmt: skip
     err = np.abs(np.stack(request.logits) - logits).max(axis=-1)  # per token
     assert err.max() < REFERENCE_TOL and np.median(err) < REFERENCE_TYPICAL, err
@@ -337,6 +337,19 @@ def test_loop_kv_sharing_matches_the_reference(policy, loop_kv):
     model = tiny_model("ouro", seed=3, loops=3)
     engine, _ = _against_reference(model, policy, loop_kv=loop_kv)
     assert engine.stored_loops == 1 and engine.spec.loop_kv == loop_kv
+
+
+def test_heavy_rows_with_a_shared_loop_plane_match_the_reference(monkeypatch):
+    """Heavy-row pages (keys INTB, values HINT4) with one shared K/V plane per layer on a gated
+    3-loop Ouro: the prompt's scratch keeps every loop whole, the shared rows (each token's
+    last loop) are packed with their own heavy rows, and the exits skip loops (one plane: no
+    per-loop exit record)."""
+    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    policy, _ = _intb_policy(monkeypatch, tables, heavy=True)
+    engine, _ = _against_reference(_gated_ouro(), policy, loop_kv="last")
+    assert engine.stored_loops == 1 and engine.skip_exited
+    assert engine.stats["decode_loops"] < 3 * engine.stats["decode_steps"]
+    assert engine.scratch_configs[0].k_absolute == (1, 2)
 
 
 def test_loop_kv_sharing_with_exits_that_skip_loops():

@@ -371,12 +371,15 @@ class Engine:
                              for f, g in zip(firsts, groups, strict=True))  # fmt: skip
 
             self.stores = stores(self.cache_configs)
-            self.scratch = (
-                stores(configs(config.num_loops, scratch_pages, nb, False)) if shared else None
+            #: each layer's configuration of the prompts' scratch pool (every loop; shared
+            #: loop_kv only, else None)
+            self.scratch_configs = (
+                configs(config.num_loops, scratch_pages, nb, False) if shared else None
             )
+            self.scratch = None if self.scratch_configs is None else stores(self.scratch_configs)
         else:
             self.cache_config = None
-            self.cache_configs = None
+            self.cache_configs = self.scratch_configs = None
             groups = (config.num_layers,)
             shape = (self.stored_loops, num_pages, page_size, *dims.values())
             self.stores = (RawStore.empty(*shape, self.dtype, config.num_layers),)
