@@ -112,12 +112,14 @@ def paged_decode_attention(
 
     # The raw rows (the staging page's, and the sink's before them) in one update; their
     # values attended as they are, their part of the output rotated (rotated values).
-    pos = stage_start[:, None] + jnp.arange(ps)[None, :]
-    raw_valid = (pos >= n_sink) & (pos < length[:, None]) & (stage_start < m_pages * ps)[:, None]
+    stage_pos = stage_start[:, None] + jnp.arange(ps)[None, :]
+    raw_valid = ((stage_pos >= n_sink) & (stage_pos < length[:, None])
+                 & (stage_start < m_pages * ps)[:, None])  # fmt: skip
     raw_k, raw_v = raw_rows(cache.k_stage), raw_rows(cache.v_stage)
     if n_sink:
-        pos = jnp.arange(n_sink)[None, :]
-        raw_valid = jnp.concatenate([pos < jnp.minimum(length, stored)[:, None], raw_valid], 1)
+        sink_pos = jnp.arange(n_sink)[None, :]
+        sink_valid = sink_pos < jnp.minimum(length, stored)[:, None]
+        raw_valid = jnp.concatenate([sink_valid, raw_valid], 1)
         raw_k = jnp.concatenate([raw_rows(cache.k_sink)[:, :n_sink], raw_k], axis=1)
         raw_v = jnp.concatenate([raw_rows(cache.v_sink)[:, :n_sink], raw_v], axis=1)
     state = soft.update(state, raw_k, raw_v, raw_valid, rotate if rotated else None)
