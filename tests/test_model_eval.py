@@ -146,6 +146,13 @@ def test_unknown_policy_is_an_error(tiny_dirs, capsys):
     rc = main(["report", "--model", tiny_dirs["plain"], "--policies", "int5"])
     assert rc == 2
     assert "int5" in capsys.readouterr().err
+    # an output file that could not be written: refused before the model is loaded and run
+    no = tiny_dirs["root"] / "no"
+    for option in ("--json", "--plot"):
+        rc = main(["report", "--model", tiny_dirs["plain"], option, str(no / "r.out")])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"kvq report: error: {option}: folder {no} does not exist" in err, err
+        assert "loaded" not in err
 
 
 def test_run_logits_single_loop_is_the_model_forward(tiny_dirs, windows):

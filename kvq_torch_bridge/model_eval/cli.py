@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 
+from kvq_jax.core.checks import check_output_folders
+
 DEFAULT_WINDOWS = 4
 DEFAULT_PREFIX = 256
 DEFAULT_PREDICTIONS = 32
@@ -191,6 +193,7 @@ def run_model_report(args) -> int:
 
     try:
         policies = _policies(args)
+        check_output_folders(json=getattr(args, "json", None), plot=getattr(args, "plot", None))
     except (ValueError, FileNotFoundError) as e:
         print(f"kvq report: error: {e}", file=sys.stderr)
         return 2
