@@ -85,11 +85,15 @@ def test_a_refusal_names_the_command_that_makes_fitting_tables(capsys, tmp_path)
     path = tmp_path / "fit.npz"
     argv = command.replace("FILE ...", difflib.__file__).replace("TABLES.npz", str(path))
     assert main([*argv.split()[1:], "--windows", "2", "--tokens", "64"]) == 0
-    assert main([*generate, "--tables", str(path)]) == 0, capsys.readouterr().err
+    argv = [*generate, "--tables", str(path), "--compare", "int4-g64"]
+    assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert f"[{policy.replace('-smollm2', '')}@fit]" in out
-    # looped-tiny's exits would skip loops: with heavy rows every loop runs, and it says so
+    # looped-tiny's exits would skip loops: with heavy rows every loop runs, and it says so;
+    # the policy it is compared with runs every loop too (the same loops, the KL the KV's)
     assert "4.00 loops/token (every loop runs: heavy-row pages are not served with" in out
+    assert "vs int4-g64 (both run every loop): " in out
+    assert out.split("[int4-g64]")[1].count("; 4.00 loops/token") == 1, out
 
 
 def test_with_key_tables_checks_the_file(tables, tmp_path):

@@ -204,6 +204,30 @@ class Request:
         return self.finish_reason is not None
 
 
+def loop_skipping(
+    config, policy: Policy, loop_kv: str, skip_exited=None
+) -> tuple[bool, str | None]:
+    """(whether an engine's decode skips the loops after every active row has exited, why it
+    runs every loop where the exits could skip some: None if not so, or asked) for `policy`
+    and `loop_kv` on a model of `config` (its loop count as run). skip_exited: as `Engine`'s;
+    ValueError for True where the pages do not allow it (heavy rows in every loop's planes:
+    the adaptive-exit cache of `PagedCacheConfig` takes none)."""
+    if skip_exited is not None and not isinstance(skip_exited, bool):
+        raise ValueError(f"skip_exited must be a bool or None, got {skip_exited!r}")
+    gated = config.arch == "ouro" and config.early_exit_threshold < 1 and config.num_loops > 1
+    shared = loop_kv != "all" and config.num_loops > 1
+    heavy = policy.quantized and policy.heavy is not None and not shared
+    if skip_exited and gated and heavy:
+        raise ValueError(
+            f"skip_exited: policy {policy.name!r} stores heavy rows, which the cache does not "
+            "serve with exits that skip loops; pass skip_exited=None or False (every loop "
+            "runs, each token keeps its exit loop's logits)"
+        )
+    if skip_exited is None and gated and heavy:
+        return False, "heavy-row pages are not served with exits that skip loops"
+    return gated and skip_exited is not False, None
+
+
 def _key_data(key, seed) -> np.ndarray:
     if key is None:
         key = jax.random.PRNGKey(seed)
@@ -313,24 +337,10 @@ class Engine:
         shared = loop_kv != "all" and config.num_loops > 1
         #: loop planes the stores keep per token (1 with a shared loop_kv)
         self.stored_loops = 1 if shared else config.num_loops
-        if skip_exited is not None and not isinstance(skip_exited, bool):
-            raise ValueError(f"skip_exited must be a bool or None, got {skip_exited!r}")
-        gated = config.arch == "ouro" and config.early_exit_threshold < 1 and config.num_loops > 1
-        # heavy rows in the per-loop planes: no adaptive-exit cache (PagedCacheConfig)
-        heavy = self.policy.quantized and self.policy.heavy is not None and not shared
-        if skip_exited and gated and heavy:
-            raise ValueError(
-                f"skip_exited: policy {self.policy.name!r} stores heavy rows, which the cache "
-                "does not serve with exits that skip loops; pass skip_exited=None or False "
-                "(every loop runs, each token keeps its exit loop's logits)"
-            )
-        #: decode skips the loops after every active row has exited (Ouro, threshold < 1)
-        self.skip_exited = gated and (not heavy if skip_exited is None else skip_exited)
-        #: why decode runs every loop where exits could skip some (None: not so, or asked)
-        self.every_loop_reason = (
-            "heavy-row pages are not served with exits that skip loops"
-            if gated and heavy and skip_exited is None
-            else None
+        #: decode skips the loops after every active row has exited (Ouro, threshold < 1), and
+        #: why it runs every loop where exits could skip some (None: not so, or asked)
+        self.skip_exited, self.every_loop_reason = loop_skipping(
+            config, self.policy, loop_kv, skip_exited
         )
         # Shared loop_kv: a prompt being prefilled keeps every loop in a scratch pool of
         # prefill_batch sequences (its own allocator), freed when its prefill ends.

@@ -117,7 +117,8 @@ def _decode_text(model, tokens) -> str:
     return model.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def _run_policy(model, policy, prompt, args, *, forced=None, keep_logits=False) -> dict:
+def _run_policy(model, policy, prompt, args, *, forced=None, keep_logits=False,
+                skip_exited=None) -> dict:  # fmt: skip
     from kvq_jax.engine import Engine
 
     ps = args.page_size
@@ -126,7 +127,7 @@ def _run_policy(model, policy, prompt, args, *, forced=None, keep_logits=False) 
     engine = Engine(
         model, policy, num_pages=args.num_pages or per_seq, page_size=ps, max_seqs=1,
         max_pages_per_seq=per_seq, loops=args.loops, prefill_chunk=args.prefill_chunk,
-        backend=args.backend, loop_kv=args.loop_kv,
+        backend=args.backend, loop_kv=args.loop_kv, skip_exited=skip_exited,
     )  # fmt: skip
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed, keep_logits=keep_logits)  # fmt: skip
@@ -212,7 +213,9 @@ def _print_run(run: dict) -> None:
     c = run.get("compare")
     if c:
         print(
-            f"  vs {c['against']}: greedy tokens agree {c['token_agreement']:.1%} of "
+            f"  vs {c['against']}"
+            + (" (both run every loop)" if c["every_loop"] else "")
+            + f": greedy tokens agree {c['token_agreement']:.1%} of "
             f"{c['tokens_compared']}; teacher-forced KL on its continuation "
             f"{c['teacher_forced_kl']:.3g} nats/token"
         )
@@ -250,12 +253,23 @@ def run(args) -> int:
             model = dataclasses.replace(model, config=config)
         prompt = _prompt_ids(args, model)
         keep = args.compare is not None  # logits of the base run for the KL
-        runs = [_run_policy(model, p, prompt, args) for p in policies[:1]]
+        # Compared policies decode with the same loops: where one must run every loop, so do
+        # all three runs (exits that skip loops change what later tokens attend to).
+        from kvq_jax.engine.engine import loop_skipping
+
+        run_config = model.config
+        if args.loops is not None:
+            run_config = dataclasses.replace(run_config, num_loops=args.loops)
+        every = [loop_skipping(run_config, p, args.loop_kv)[1] is not None for p in policies]
+        skip = [False if keep and any(every) and not e else None for e in every]
+        runs = [_run_policy(model, policies[0], prompt, args, skip_exited=skip[0])]
         if keep:
-            base = _run_policy(model, policies[1], prompt, args, keep_logits=True)
+            base = _run_policy(model, policies[1], prompt, args, keep_logits=True,
+                               skip_exited=skip[1])  # fmt: skip
             forced = _run_policy(model, policies[0], prompt, args, forced=base["tokens"],
-                                 keep_logits=True)  # fmt: skip
+                                 keep_logits=True, skip_exited=skip[0])  # fmt: skip
             runs[0]["compare"] = compare(runs[0], base, forced)
+            runs[0]["compare"]["every_loop"] = any(every)
             runs.append(base)
         for r in runs:
             r.pop("logits")
