@@ -239,6 +239,8 @@ def run(args) -> int:
         for name in ("max_new_tokens", "page_size", "prefill_chunk"):
             if getattr(args, name) < 1:
                 raise _Error(f"--{name.replace('_', '-')} must be >= 1")
+        if args.loops is not None and args.loops < 1:
+            raise _Error("--loops must be an int >= 1")
         check_output_folders(json=args.json)
         try:
             model = load_model(args.model, dtype)
