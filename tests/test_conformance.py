@@ -152,7 +152,7 @@ def test_cli_skips_table_cases_without_a_register_table(capsys):
     "every",
     [pytest.param(False, id="sample"), pytest.param(True, id="all", marks=pytest.mark.slow)],
 )
-def test_cli_reports_pass_and_fail(capsys, tmp_path, every):
+def test_cli_reports_pass_and_fail(capsys, tmp_path, monkeypatch, every):
     """The CLI (numpy inputs, decoding too) passes every vector (by default a --vectors file of
     the JAX sample and the E2M1 ties: CI time, each vector is an eager compile) and fails a
     wrong implementation."""
@@ -170,6 +170,9 @@ def test_cli_reports_pass_and_fail(capsys, tmp_path, every):
     out = capsys.readouterr().out
     assert "FAIL ties/e2m1_midpoints [nvfp4]: codes:" in out
     # arguments that cannot be loaded: one line each, exit 2, before any vector runs
+    broken = tmp_path / "kvq_broken_module.py"  # a module whose own code fails
+    broken.write_text("1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     for argv, message in (
         (["kvq_jax.pack_kv"], "expected MODULE:FUNCTION, got 'kvq_jax.pack_kv'"),
         (["no_such_module_kvq:pack"], "no_such_module_kvq:pack: cannot import no_such_module_kvq"),
@@ -177,6 +180,7 @@ def test_cli_reports_pass_and_fail(capsys, tmp_path, every):
         (["kvq_jax:__version__"], "kvq_jax:__version__ is not callable"),
         (["kvq_jax:pack_kv", "--vectors", str(tmp_path / "none.npz")], "none.npz"),
         (["kvq_jax:pack_kv", "--heavy", "kvq_jax.codecs"], "has no attribute 'select_heavy'"),
+        ([f"{broken.stem}:pack"], f"cannot import {broken.stem} (ZeroDivisionError: "),
     ):
         assert cli.main(["conformance", *argv]) == 2, argv
         err = capsys.readouterr().err

@@ -30,9 +30,11 @@ REFERENCE_TYPICAL = 1e-4
 
 
 def _against_reference(model, policy, *, prompt_len=20, page_size=16, loops=None,
-                       reference_skip=None, **kw):  # fmt: skip
+                       reference_skip=None, engine_scratch=False, **kw):  # fmt: skip
     """17 new tokens (16 decode steps; the prompt fed one token per prefill call, as the
-    reference does): the engine's tokens, logits and exit loops equal the reference's."""
+    reference does): the engine's tokens, logits and exit loops equal the reference's.
+    engine_scratch: the reference's prompt scratch (shared loop_kv) in the engine's
+    configurations (heavy rows), not its own derivation."""
     engine = Engine(model, policy, num_pages=8, page_size=page_size, max_seqs=2,
                     max_pages_per_seq=4, prefill_chunk=1, loops=loops, **kw)  # fmt: skip
     prompt = prompt_of(prompt_len, seed=4)
@@ -41,7 +43,8 @@ def _against_reference(model, policy, *, prompt_len=20, page_size=16, loops=None
     _, logits, exits = reference_decode(
         model, prompt, 17, cache_config=engine.cache_configs, loops=loops,
         skip=engine.skip_exited if reference_skip is None else reference_skip,
-        forced=request.tokens, loop_kv=engine.loop_kv, scratch_config=engine.scratch_configs,
+        forced=request.tokens, loop_kv=engine.loop_kv,
+        scratch_config=engine.scratch_configs if engine_scratch else None,
     )  # fmt: skip
     err = np.abs(np.stack(request.logits) - logits).max(axis=-1)  # per token
     assert err.max() < REFERENCE_TOL and np.median(err) < REFERENCE_TYPICAL, err
@@ -346,10 +349,11 @@ def test_heavy_rows_with_a_shared_loop_plane_match_the_reference(monkeypatch):
     per-loop exit record)."""
     tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
     policy, _ = _intb_policy(monkeypatch, tables, heavy=True)
-    engine, _ = _against_reference(_gated_ouro(), policy, loop_kv="last")
+    engine, _ = _against_reference(_gated_ouro(), policy, loop_kv="last", engine_scratch=True)
     assert engine.stored_loops == 1 and engine.skip_exited
     assert engine.stats["decode_loops"] < 3 * engine.stats["decode_steps"]
-    assert engine.scratch_configs[0].k_absolute == (1, 2)
+    for config in engine.scratch_configs:  # every later loop stored whole, in both kinds
+        assert config.k_absolute == config.v_absolute == (1, 2) and config.num_loops == 3
 
 
 def test_loop_kv_sharing_with_exits_that_skip_loops():

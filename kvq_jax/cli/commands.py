@@ -101,12 +101,15 @@ def load_callable(spec: str):
         raise ValueError(f"expected MODULE:FUNCTION, got {spec!r}")
     try:
         obj = importlib.import_module(module_name)
-    except ImportError as e:  # the module, or a package it imports, is missing
+    except Exception as e:  # missing, or failing in its own code: the user's module
         raise ValueError(f"{spec}: cannot import {module_name} ({type(e).__name__}: {e})") from None
     for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{spec}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{spec}: {module_name} has no attribute {attr!r}") from None
+        except Exception as e:  # a lazy attribute whose import fails
+            raise ValueError(f"{spec}: {attr} ({type(e).__name__}: {e})") from None
     if not callable(obj):
         raise ValueError(f"{spec} is not callable")
     return obj

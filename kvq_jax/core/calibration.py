@@ -167,9 +167,11 @@ class KeyTables:
 
     def check_fit(self, policy_name: str, model_names, num_layers: int, *,
                   num_kv_heads: int | None = None, head_dim: int | None = None,
-                  rope_theta: float | None = None) -> None:  # fmt: skip
+                  rope_theta: float | None = None, spec: str | None = None) -> None:  # fmt: skip
         """ValueError unless one of `model_names` (the names a model goes by; the first is
-        quoted; None: a model whose name is not known, not checked) is among `models`, every
+        quoted; None: a model whose name is not known, not checked; `spec`: the model as
+        `kvq calibrate --model` takes it, for the command the refusal names, default the
+        first name) is among `models`, every
         layer in [0, num_layers) has a table, each table is
         [num_kv_heads][head_dim] (when given), and pre-RoPE tables were calibrated for the
         model's RoPE base `rope_theta` (when given)."""
@@ -177,7 +179,8 @@ class KeyTables:
         if names is not None and not any(name in self.models for name in names):
             raise ValueError(
                 f"policy {policy_name!r}: its key tables are for {' / '.join(self.models)}, "
-                f"not {names[0]!r}; tables of this kind for it: {self.calibrate_command(names[0])}"
+                f"not {names[0]!r}; tables of this kind for it: "
+                f"{self.calibrate_command(spec or names[0])}"
                 " (then --tables TABLES.npz)"
             )
         missing = sorted(set(range(num_layers)) - set(self.tables))

@@ -205,17 +205,18 @@ class Request:
 
 
 def loop_skipping(
-    config, policy: Policy, loop_kv: str, skip_exited=None
+    config, policy: Policy, loop_kv: str, skip_exited=None, *, loops: int | None = None
 ) -> tuple[bool, str | None]:
     """(whether an engine's decode skips the loops after every active row has exited, why it
     runs every loop where the exits could skip some: None if not so, or asked) for `policy`
-    and `loop_kv` on a model of `config` (its loop count as run). skip_exited: as `Engine`'s;
-    ValueError for True where the pages do not allow it (heavy rows in every loop's planes:
-    the adaptive-exit cache of `PagedCacheConfig` takes none)."""
+    and `loop_kv` on a model of `config` run at `loops` loops (None: its own). skip_exited: as
+    `Engine`'s; ValueError for True where the pages do not allow it (heavy rows, `Policy.heavy`,
+    in every loop's planes: the adaptive-exit cache of `PagedCacheConfig` takes none)."""
     if skip_exited is not None and not isinstance(skip_exited, bool):
         raise ValueError(f"skip_exited must be a bool or None, got {skip_exited!r}")
-    gated = config.arch == "ouro" and config.early_exit_threshold < 1 and config.num_loops > 1
-    shared = loop_kv != "all" and config.num_loops > 1
+    loops = config.num_loops if loops is None else loops
+    gated = config.arch == "ouro" and config.early_exit_threshold < 1 and loops > 1
+    shared = loop_kv != "all" and loops > 1
     heavy = policy.quantized and policy.heavy is not None and not shared
     if skip_exited and gated and heavy:
         raise ValueError(

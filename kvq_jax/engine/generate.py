@@ -259,11 +259,9 @@ def run(args) -> int:
         # all three runs (exits that skip loops change what later tokens attend to).
         from kvq_jax.engine.engine import loop_skipping
 
-        run_config = model.config
-        if args.loops is not None:
-            run_config = dataclasses.replace(run_config, num_loops=args.loops)
-        every = [loop_skipping(run_config, p, args.loop_kv)[1] is not None for p in policies]
-        skip = [False if keep and any(every) and not e else None for e in every]
+        why = [loop_skipping(model.config, p, args.loop_kv, loops=args.loops)[1] for p in policies]
+        every = keep and any(w is not None for w in why)
+        skip = [False if every and w is None else None for w in why]
         runs = [_run_policy(model, policies[0], prompt, args, skip_exited=skip[0])]
         if keep:
             base = _run_policy(model, policies[1], prompt, args, keep_logits=True,
@@ -271,8 +269,11 @@ def run(args) -> int:
             forced = _run_policy(model, policies[0], prompt, args, forced=base["tokens"],
                                  keep_logits=True, skip_exited=skip[0])  # fmt: skip
             runs[0]["compare"] = compare(runs[0], base, forced)
-            runs[0]["compare"]["every_loop"] = any(every)
+            runs[0]["compare"]["every_loop"] = every
             runs.append(base)
+            for run, other, asked in ((runs[0], base, skip[0]), (base, runs[0], skip[1])):
+                if asked is False:  # made to run every loop by the policy it is compared with
+                    run["every_loop_reason"] = f"compared with {other['policy']}, which does"
         for r in runs:
             r.pop("logits")
     except (_Error, ValueError, FileNotFoundError) as e:

@@ -61,7 +61,7 @@ def check_key_tables(policy: Policy, loaded: LoadedModel):
         head_dim = config.hidden_size // q_heads
     tables.check_fit(policy.name, [loaded.name, model], int(config.num_hidden_layers),
                      num_kv_heads=heads, head_dim=head_dim,
-                     rope_theta=_rope_theta(config))  # fmt: skip
+                     rope_theta=_rope_theta(config), spec=model)  # fmt: skip
     return tables
 
 
