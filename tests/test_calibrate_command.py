@@ -88,12 +88,12 @@ def test_a_refusal_names_the_command_that_makes_fitting_tables(capsys, tmp_path)
     argv = [*generate, "--tables", str(path), "--compare", "int4-g64"]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert f"[{policy.replace('-smollm2', '')}@fit]" in out
+    tag = f"{policy.replace('-smollm2', '')}@fit"
+    assert f"[{tag}]" in out
     # looped-tiny's exits would skip loops: with heavy rows every loop runs, and it says so;
     # the policy it is compared with runs every loop too (the same loops, the KL the KV's)
     assert "4.00 loops/token (every loop runs: heavy-row pages are not served with" in out
     assert "vs int4-g64 (both run every loop): " in out
-    tag = f"{policy.replace('-smollm2', '')}@fit"
     said = f"; 4.00 loops/token (every loop runs: compared with {tag}, which does)"
     assert out.split("[int4-g64]")[1].count(said) == 1, out
 

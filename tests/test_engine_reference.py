@@ -88,6 +88,11 @@ def _groups_of_16(name: str):
     return dataclasses.replace(POLICIES[name], name=f"{name}-g16", group_size=16)
 
 
+#: Per-layer INTB key tables of two layers, rows of different widths per layer (2 x 64
+#: channels: layer 0 two heads of 256 / 256 bits, layer 1 384 / 384).
+TWO_WIDTHS = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+
+
 def _intb_policy(monkeypatch, tables, *, heavy: bool, rope_theta=None):
     """(policy, mean-query tables or None): INTB keys with per-layer `tables` (served as the
     tiny models' key tables; groups of 16) and HINT4 values; heavy: heavy rows (FORMAT.md 5a:
@@ -131,7 +136,7 @@ def test_heavy_rows_match_the_reference(tiny_llama, monkeypatch):
 def test_heavy_rows_in_every_loop_match_the_reference(monkeypatch):
     """2-loop Ouro, key tables of different widths (one format and layer group per layer):
     every loop stored whole with rows chosen from that loop's keys."""
-    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    tables = TWO_WIDTHS
     policy, _ = _intb_policy(monkeypatch, tables, heavy=True)
     engine, _ = _against_reference(tiny_model("ouro", seed=5, loops=2), policy)
     assert engine.spec.groups == (1, 1)
@@ -145,7 +150,7 @@ def test_keys_before_rope_match_the_reference(monkeypatch):
     RoPE put back; 16 decode steps against the page-by-page reference. The comparison can
     fail: a reference that packs the keys as handed over (the planted defect) is off by far
     more than the tolerance."""
-    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    tables = TWO_WIDTHS
     model = tiny_model("ouro", seed=5, loops=2)
     policy, _ = _intb_policy(monkeypatch, tables, heavy=True, rope_theta=model.config.rope_theta)
     engine, request = _against_reference(model, policy)
@@ -203,7 +208,7 @@ def test_the_best_policy_through_the_kernels_matches_the_reference(monkeypatch):
     stored before RoPE) on 2-loop Ouro through the kernels (`_through_the_kernels`: every page
     packs in the kernel with the rows the keys chose, decode attention runs in it): 16 decode
     steps against the page-by-page reference."""
-    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    tables = TWO_WIDTHS
     model = tiny_model("ouro", seed=5, loops=2)
     policy, _ = _intb_policy(monkeypatch, tables, heavy=True, rope_theta=model.config.rope_theta)
     calls = _through_the_kernels(monkeypatch, model, policy)
@@ -217,7 +222,7 @@ def test_intb_keys_through_the_kernels_match_the_reference(monkeypatch):
     layer; loop 1 an INTB delta) and HINT4 values on 2-loop Ouro through the kernels: the key
     pages pack in the kernel (each layer's stream maps), reconstruct in it for loop 1's deltas
     and are attended in it; 16 decode steps against the page-by-page reference."""
-    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    tables = TWO_WIDTHS
     policy, _ = _intb_policy(monkeypatch, tables, heavy=False)
     calls = _through_the_kernels(monkeypatch, tiny_model("ouro", seed=5, loops=2), policy)
     packed = {c["format"] for c in calls["pack"] if c["kind"] == "key"}
@@ -254,7 +259,7 @@ def test_heavy_rows_with_exits_run_every_loop(monkeypatch):
     skip loops does not take them, so by default (skip_exited=None) every loop runs and each
     token keeps its exit loop's logits, as the reference that runs every loop; asking to skip
     is refused naming skip_exited; a policy without heavy rows still skips."""
-    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    tables = TWO_WIDTHS
     policy, _ = _intb_policy(monkeypatch, tables, heavy=True)
     model = _gated_ouro()
     engine, request = _against_reference(model, policy)
@@ -347,7 +352,7 @@ def test_heavy_rows_with_a_shared_loop_plane_match_the_reference(monkeypatch):
     3-loop Ouro: the prompt's scratch keeps every loop whole, the shared rows (each token's
     last loop) are packed with their own heavy rows, and the exits skip loops (one plane: no
     per-loop exit record)."""
-    tables = {0: ((2, 6) * 32, (4,) * 64), 1: ((6,) * 64, (5, 7) * 32)}
+    tables = TWO_WIDTHS
     policy, _ = _intb_policy(monkeypatch, tables, heavy=True)
     engine, _ = _against_reference(_gated_ouro(), policy, loop_kv="last", engine_scratch=True)
     assert engine.stored_loops == 1 and engine.skip_exited
